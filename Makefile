@@ -1,0 +1,68 @@
+# attnstash: every command a developer or CI needs. Each target does its own set-up.
+#
+#   make test       venv + build + GoogleTest (ctest) + pytest
+#   make sanitize   the C registry suite under ASan+UBSan, and under TSan
+#   make build      only (re)build attnstash/_C into the venv
+#
+# Another torch: make test TORCH=torch==2.14.1 VENV=.venv-214
+# Another transformers: make test TRANSFORMERS=transformers==4.57.6 VENV=.venv-hf4
+# An existing Python with torch (no venv, no installs): make test PYTHON=python3 NO_VENV=1
+
+BOOTSTRAP_PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+TRANSFORMERS ?= transformers==5.17.0
+REQUIREMENTS = $(TORCH) $(TRANSFORMERS) numpy pytest tqdm matplotlib psutil setuptools==80.9.0 wheel==0.45.1
+PYTHON ?= $(VENV)/bin/python
+BUILD_DIR ?= build/$(notdir $(VENV))
+PYTEST_ARGS ?=
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+
+.PHONY: all venv gtest build test test-cpp test-python sanitize clean
+all: test
+
+venv:
+ifndef NO_VENV
+	@test -x $(PYTHON) || $(BOOTSTRAP_PYTHON) -m venv $(VENV)
+	@if [ "$$(cat $(VENV)/.attnstash-requirements 2>/dev/null)" != '$(REQUIREMENTS)' ]; then \
+	  echo "== installing into $(VENV): $(REQUIREMENTS)"; \
+	  $(PYTHON) -m pip install --quiet --disable-pip-version-check $(REQUIREMENTS) && \
+	  echo '$(REQUIREMENTS)' > $(VENV)/.attnstash-requirements; \
+	fi
+endif
+
+# GoogleTest from Debian's libgtest-dev, installed when missing and apt can.
+gtest:
+	@if [ ! -f /usr/include/gtest/gtest.h ]; then \
+	  if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+	    echo "== installing libgtest-dev"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgtest-dev >/dev/null; \
+	  else \
+	    echo "GoogleTest is missing and cannot be installed here: install libgtest-dev (Debian/Ubuntu) and re-run." >&2; exit 1; \
+	  fi; \
+	fi
+
+build: venv gtest
+	ATTNSTASH_BUILD_DIR=$(abspath $(BUILD_DIR)) ATTNSTASH_BUILD_TESTS=1 CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
+	  $(PYTHON) -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
+
+test-cpp: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
+
+test-python: build
+	$(PYTHON) -m pytest tests/python -q $(PYTEST_ARGS)
+
+test: test-cpp test-python
+
+sanitize: gtest
+	cmake -S . -B build/asan -DATTNSTASH_WITH_TORCH=OFF -DATTNSTASH_BUILD_TESTS=ON \
+	  -DATTNSTASH_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=Debug >/dev/null
+	cmake --build build/asan -j $(JOBS) >/dev/null
+	ctest --test-dir build/asan --output-on-failure -j $(JOBS)
+	cmake -S . -B build/tsan -DATTNSTASH_WITH_TORCH=OFF -DATTNSTASH_BUILD_TESTS=ON \
+	  -DATTNSTASH_SANITIZE=thread -DCMAKE_BUILD_TYPE=Debug >/dev/null
+	cmake --build build/tsan -j $(JOBS) >/dev/null
+	ctest --test-dir build/tsan --output-on-failure -j $(JOBS)
+
+clean:
+	rm -rf build attnstash/_C*.so

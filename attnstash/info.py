@@ -1,0 +1,47 @@
+"""python -m attnstash.info: the versions and build facts to put in a bug report."""
+import platform
+import sys
+
+
+def collect() -> dict:
+    import torch
+
+    facts = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda (torch built with)": torch.version.cuda or "none",
+        "cuda available": torch.cuda.is_available(),
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else "none",
+    }
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name()
+    try:
+        import transformers
+        facts["transformers"] = transformers.__version__
+    except ImportError:
+        facts["transformers"] = "not installed"
+    from . import _library
+    import attnstash
+    facts["attnstash"] = attnstash.__version__
+    facts["attnstash library"] = str(_library.library_path() or "not built")
+    facts["attnstash built for torch"] = _library.built_for() or "not built"
+    try:
+        _library.load()
+        facts["ops registered"] = ", ".join(sorted(
+            str(name) for name in torch._C._dispatch_get_all_op_names() if name.startswith("attnstash::")))
+    except ImportError as e:
+        facts["ops registered"] = f"none: {e}"
+    return facts
+
+
+def main() -> int:
+    facts = collect()
+    width = max(map(len, facts))
+    for name, value in facts.items():
+        print(f"{name:<{width}}  {value}")
+    return 1 if str(facts["ops registered"]).startswith("none") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""A thin shim: CMake (CMakeLists.txt) knows the sources and builds attnstash/_C.
+
+    pip install --no-build-isolation -e .     # or without -e
+
+Build against the torch already installed (never in an isolated environment, which
+would fetch another torch). Environment: ATTNSTASH_BUILD_DIR (default build/cmake),
+ATTNSTASH_BUILD_TESTS=1 to build the GoogleTest suites too, CMAKE_BUILD_PARALLEL_LEVEL.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def build_extension(self, ext):
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(os.environ.get("ATTNSTASH_BUILD_DIR", ROOT / "build" / "cmake")).resolve()
+        tests = "ON" if os.environ.get("ATTNSTASH_BUILD_TESTS") == "1" else "OFF"
+        subprocess.check_call([
+            "cmake", "-S", str(ROOT), "-B", str(build_dir),
+            f"-DPython_EXECUTABLE={sys.executable}",
+            f"-DATTNSTASH_OUTPUT_DIR={out_dir}",
+            f"-DATTNSTASH_BUILD_TESTS={tests}",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ])
+        jobs = os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
+        subprocess.check_call(["cmake", "--build", str(build_dir), "-j", jobs])
+
+
+setup(
+    name="attnstash",
+    version="0.1.0",
+    description="Keep attention outputs for reentrant activation-checkpoint recomputes (PyTorch custom ops)",
+    packages=["attnstash"],
+    ext_modules=[CMakeExtension("attnstash._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.10",
+    install_requires=[],  # torch is the user's: building needs it installed already
+)

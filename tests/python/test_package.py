@@ -1,0 +1,48 @@
+"""The package loads its compiled ops and reports its build."""
+import subprocess
+import sys
+
+import torch
+
+import attnstash
+from attnstash import _library
+
+
+def test_import_registers_both_ops():
+    assert hasattr(torch.ops.attnstash, "sdpa_fwd_keep")
+    assert hasattr(torch.ops.attnstash, "sdpa_replay")
+    names = {str(n) for n in torch._C._dispatch_get_all_op_names() if str(n).startswith("attnstash::")}
+    assert {"attnstash::sdpa_fwd_keep", "attnstash::sdpa_replay"} <= names
+
+
+def test_library_was_built_for_the_running_torch():
+    assert _library.built_for() == torch.__version__
+    assert attnstash._C.torch_version == torch.__version__
+
+
+def test_info_prints_versions_and_ops():
+    out = subprocess.run([sys.executable, "-m", "attnstash.info"], capture_output=True, text=True, check=True).stdout
+    assert f"torch  " in out and torch.__version__ in out
+    assert "attnstash::sdpa_fwd_keep" in out and "attnstash::sdpa_replay" in out
+    assert "transformers" in out
+
+
+def test_import_error_names_both_torches_and_the_rebuild_command(monkeypatch):
+    monkeypatch.setattr(_library, "built_for", lambda: "0.0.0-other")
+    try:
+        _library.load()
+    except ImportError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("load() accepted a library built for another torch")
+    assert "0.0.0-other" in msg and torch.__version__ in msg and "pip install --no-build-isolation" in msg
+
+
+def test_import_error_when_the_library_is_missing(monkeypatch):
+    monkeypatch.setattr(_library, "built_for", lambda: None)
+    try:
+        _library.load()
+    except ImportError as e:
+        assert "not built" in str(e) and torch.__version__ in str(e)
+    else:
+        raise AssertionError("load() did not fail without a build")

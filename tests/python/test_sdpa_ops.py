@@ -1,0 +1,372 @@
+"""attnstash::sdpa_fwd_keep and attnstash::sdpa_replay on CPU: PyTorch's exact numbers,
+the phase rules, and a clear error for every input they cannot keep."""
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
+
+import attnstash
+from attnstash import ops
+
+CASES = [  # dtype, query heads, kv heads, head_dim, causal
+    (dtype, hq, hkv, d, causal)
+    for dtype in (torch.float32, torch.bfloat16)
+    for hq, hkv in ((8, 8), (8, 2))
+    for d in (64, 128)
+    for causal in (True, False)
+]
+CASE_IDS = [f"{str(c[0])[6:]}-{c[1]}q{c[2]}kv-d{c[3]}-{'causal' if c[4] else 'full'}" for c in CASES]
+
+
+def hf_layout(batch, heads, seq, head_dim, dtype, requires_grad=False):
+    """A [batch, heads, seq, head_dim] transposed view of a [batch, seq, heads*head_dim]
+    projection, as Hugging Face passes query, key and value."""
+    t = torch.randn(batch, seq, heads * head_dim, dtype=dtype)
+    t = t.view(batch, seq, heads, head_dim).transpose(1, 2)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def qkv(dtype, hq, hkv, d, batch=2, seq=48):
+    return (hf_layout(batch, hq, seq, d, dtype), hf_layout(batch, hkv, seq, d, dtype),
+            hf_layout(batch, hkv, seq, d, dtype))
+
+
+def anchor_for(q):
+    return torch.randn(q.shape[0], q.shape[2], 16, requires_grad=True)
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,causal", CASES, ids=CASE_IDS)
+def test_first_forward_output_is_bitwise_fsdpa(dtype, hq, hkv, d, causal):
+    torch.manual_seed(0)
+    q, k, v = qkv(dtype, hq, hkv, d)
+    gqa = hq != hkv
+    anchor = anchor_for(q)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    with torch.no_grad():
+        kept = ops.sdpa_fwd_keep(q, k, v, anchor, 7, is_causal=causal, enable_gqa=gqa)
+        assert attnstash.stash_stats()["keeps"] >= 1 and attnstash.stash_stats()["entries"] == 1
+        assert torch.equal(kept, expected) and kept.stride() == expected.stride()
+        replayed = ops.sdpa_replay(q, k, v, anchor, 7, is_causal=causal, enable_gqa=gqa)
+    assert replayed.data_ptr() == kept.data_ptr()  # the kept tensor itself, not a recomputation
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("grad_mode,anchor_requires_grad", [(True, True), (True, False), (False, False)])
+def test_outside_a_checkpoint_it_is_fsdpa_and_keeps_nothing(grad_mode, anchor_requires_grad):
+    torch.manual_seed(0)
+    q, k, v = qkv(torch.float32, 8, 2, 64)
+    for t in (q, k, v):
+        t.requires_grad_(grad_mode)
+    anchor = torch.randn(3, requires_grad=anchor_requires_grad)
+    before = attnstash.stash_stats()
+    with torch.set_grad_enabled(grad_mode):
+        out = ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(out, ref)
+    assert attnstash.stash_stats()["keeps"] == before["keeps"]
+    if grad_mode:  # an ordinary differentiable call: F.sdpa's own gradients
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), g)
+        want = torch.autograd.grad(ref, (q, k, v), g)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_inference_mode_keeps_nothing():
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    anchor = torch.randn(3, requires_grad=True)
+    with torch.inference_mode():
+        out = ops.sdpa_fwd_keep(q, k, v, anchor, 0)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+class Block(torch.nn.Module):
+    """x -> q/k/v projections -> attention -> output projection, attention either F.sdpa
+    or attnstash's sdpa_fwd_keep anchored on x."""
+
+    def __init__(self, hidden, hq, hkv, d, dtype, causal, use_stash, slot=0):
+        super().__init__()
+        self.hq, self.hkv, self.d, self.causal, self.use_stash, self.slot = hq, hkv, d, causal, use_stash, slot
+        self.q = torch.nn.Linear(hidden, hq * d, bias=False, dtype=dtype)
+        self.k = torch.nn.Linear(hidden, hkv * d, bias=False, dtype=dtype)
+        self.v = torch.nn.Linear(hidden, hkv * d, bias=False, dtype=dtype)
+        self.o = torch.nn.Linear(hq * d, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.hq, self.d).transpose(1, 2)
+        k = self.k(x).view(b, s, self.hkv, self.d).transpose(1, 2)
+        v = self.v(x).view(b, s, self.hkv, self.d).transpose(1, 2)
+        gqa = self.hq != self.hkv
+        if self.use_stash:
+            a = ops.sdpa_fwd_keep(q, k, v, x, self.slot, is_causal=self.causal, enable_gqa=gqa)
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
+        return x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+def checkpointed_step(dtype, hq, hkv, d, causal, use_stash, seed=0):
+    torch.manual_seed(seed)
+    block = Block(64, hq, hkv, d, dtype, causal, use_stash)
+    x = torch.randn(2, 40, 64, dtype=dtype, requires_grad=True)
+    y = checkpoint(block, x, use_reentrant=True)
+    stats_after_forward = attnstash.stash_stats()
+    loss = y.float().square().mean()
+    loss.backward()
+    grads = [x.grad] + [p.grad for p in block.parameters()]
+    return loss.detach(), grads, stats_after_forward
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,causal", CASES, ids=CASE_IDS)
+def test_reentrant_checkpoint_gradients_are_bitwise_the_normal_recompute(dtype, hq, hkv, d, causal):
+    # Two plain runs of PyTorch's CPU flash attention are bitwise equal (checked here), so the
+    # stash must be too.
+    base_loss, base_grads, _ = checkpointed_step(dtype, hq, hkv, d, causal, use_stash=False)
+    again_loss, again_grads, _ = checkpointed_step(dtype, hq, hkv, d, causal, use_stash=False)
+    assert torch.equal(base_loss, again_loss) and all(torch.equal(a, b) for a, b in zip(base_grads, again_grads))
+
+    before = attnstash.stash_stats()
+    loss, grads, mid = checkpointed_step(dtype, hq, hkv, d, causal, use_stash=True)
+    after = attnstash.stash_stats()
+    assert torch.equal(loss, base_loss)
+    assert len(grads) == len(base_grads) == 5
+    for got, want in zip(grads, base_grads):
+        assert torch.equal(got, want)
+    assert mid["entries"] == 1 and mid["bytes"] > 0
+    assert after["keeps"] - before["keeps"] == 1 and after["replays"] - before["replays"] == 1
+    assert after["entries"] == 0 and after["bytes"] == 0
+
+
+def test_kept_bytes_are_output_plus_logsumexp():
+    torch.manual_seed(0)
+    q, k, v = qkv(torch.bfloat16, 8, 2, 64, batch=2, seq=48)
+    anchor = anchor_for(q)
+    with torch.no_grad():
+        ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True, enable_gqa=True)
+        held = attnstash.stash_stats()["bytes"]
+        ops.sdpa_replay(q, k, v, anchor, 0, is_causal=True, enable_gqa=True)
+    output = 2 * 8 * 48 * 64 * 2  # bf16 output
+    lse = 2 * 8 * 48 * 4  # float32 log-sum-exp
+    assert held == output + lse
+
+
+def test_the_recompute_takes_its_own_forward():
+    # Two forwards through the same slot on different anchors, recomputed in reverse
+    # order: each backward must get its own forward's attention.
+    torch.manual_seed(0)
+    block = Block(64, 4, 4, 64, torch.float32, True, use_stash=True)
+    ref = Block(64, 4, 4, 64, torch.float32, True, use_stash=False)
+    ref.load_state_dict(block.state_dict())
+    xs = [torch.randn(2, 24, 64, requires_grad=True) for _ in range(2)]
+    ys = [checkpoint(block, x, use_reentrant=True) for x in xs]
+    assert attnstash.stash_stats()["entries"] == 2
+    for x, y in reversed(list(zip(xs, ys))):
+        y.square().sum().backward()
+    for x in xs:
+        x_ref = x.detach().clone().requires_grad_()
+        checkpoint(ref, x_ref, use_reentrant=True).square().sum().backward()
+        assert torch.equal(x.grad, x_ref.grad)
+
+
+def error_of(fn):
+    with pytest.raises(RuntimeError) as info:
+        fn()
+    return str(info.value)
+
+
+def test_replay_with_nothing_kept_fails_clearly():
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    anchor = anchor_for(q)
+    misses = attnstash.stash_stats()["misses"]
+    msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 3))
+    assert "no attention output is kept for this anchor" in msg and "slot 3" in msg
+    assert attnstash.stash_stats()["misses"] == misses + 1
+
+
+def test_recompute_with_nothing_kept_fails_instead_of_recomputing():
+    # Non-reentrant checkpointing keeps nothing (its first forward runs with grad on); its
+    # recompute must fail rather than silently run attention again.
+    block = Block(64, 4, 4, 64, torch.float32, True, use_stash=True)
+    x = torch.randn(2, 24, 64, requires_grad=True)
+    y = checkpoint(block, x, use_reentrant=False)
+    msg = error_of(lambda: y.sum().backward())
+    assert "no attention output is kept" in msg and "Non-reentrant" in msg
+
+
+def test_anchor_modified_in_place_is_reported_as_a_version_change():
+    # (Inside torch.utils.checkpoint, autograd's own saved-tensor check trips first.)
+    torch.manual_seed(0)
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    anchor = anchor_for(q)
+    with torch.no_grad():
+        ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True)
+        anchor.add_(1.0)
+        msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, is_causal=True))
+    assert "modified in place" in msg and "version was 0" in msg and "is 1 now" in msg
+    assert attnstash.stash_stats()["entries"] == 0  # the stale entry was released with the error
+
+
+@pytest.mark.parametrize("what", ["shape", "dtype", "flags", "backend"])
+def test_replay_rejects_a_call_that_differs_from_its_forward(what):
+    torch.manual_seed(0)
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    anchor = anchor_for(q)
+    with torch.no_grad():
+        ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True)
+        if what == "shape":
+            msg = error_of(lambda: ops.sdpa_replay(q[:, :, :-1], k, v, anchor, 0, is_causal=True))
+            assert "query" in msg and "differs" in msg
+        elif what == "dtype":
+            msg = error_of(lambda: ops.sdpa_replay(q, k.double(), v, anchor, 0, is_causal=True))
+            assert "key" in msg and "Double" in msg
+        elif what == "flags":
+            msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, is_causal=False))
+            assert "is_causal=1" in msg and "is_causal=0" in msg
+        else:
+            with sdpa_kernel([SDPBackend.MATH]):
+                msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, is_causal=True))
+            assert "SDPA backend" in msg and "math" in msg
+    assert "released" in msg
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def test_an_output_modified_in_place_before_its_recompute_is_rejected():
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    anchor = anchor_for(q)
+    with torch.no_grad():
+        out = ops.sdpa_fwd_keep(q, k, v, anchor, 0)
+        out.mul_(2)
+        msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0))
+    assert "modified in place" in msg and "output" in msg
+
+
+@pytest.mark.parametrize("what", ["3-D", "dropout", "mask", "math backend", "second keep", "rank 9 anchor"])
+def test_what_cannot_be_kept_fails_clearly_and_keeps_nothing(what):
+    torch.manual_seed(0)
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    anchor = anchor_for(q)
+    keep = lambda **kw: ops.sdpa_fwd_keep(kw.pop("q", q), k, v, kw.pop("anchor", anchor), 0, **kw)  # noqa: E731
+    with torch.no_grad():
+        if what == "3-D":
+            msg = error_of(lambda: keep(q=q[0]))
+            assert "query must be 4-D" in msg and "3-D" in msg
+        elif what == "dropout":
+            msg = error_of(lambda: keep(dropout_p=0.1))
+            assert "dropout_p=0.1" in msg and "attention dropout" in msg
+        elif what == "mask":
+            msg = error_of(lambda: keep(attn_mask=torch.zeros(48, 48)))
+            assert "attn_mask" in msg
+        elif what == "math backend":
+            with sdpa_kernel([SDPBackend.MATH]):
+                msg = error_of(lambda: keep())
+            assert "math backend" in msg and "sdpa_kernel" in msg and "flash_attention (CPU)" in msg
+        elif what == "second keep":
+            keep()
+            msg = error_of(lambda: keep())
+            assert "already kept" in msg
+            ops.sdpa_replay(q, k, v, anchor, 0)
+        else:
+            big = torch.zeros([1] * 9, requires_grad=True)
+            msg = error_of(lambda: keep(anchor=big))
+            assert "at most 8 dimensions" in msg
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def test_entries_of_a_freed_anchor_are_released_by_the_next_call_and_never_matched():
+    torch.manual_seed(0)
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    anchor = torch.randn(64, 1024, requires_grad=True)  # 256 KiB: malloc gives such blocks back on free
+    address = anchor.data_ptr()
+    released = attnstash.stash_stats()["released_unused"]
+    with torch.no_grad():
+        ops.sdpa_fwd_keep(q, k, v, anchor, 0)
+    del anchor
+    gc.collect()
+    assert attnstash.stash_stats()["entries"] == 1  # nothing has called the ops since
+    # A new anchor, likely at the same address, with the same version and shape.
+    reuse = [torch.randn(64, 1024, requires_grad=True) for _ in range(4)]
+    same = [t for t in reuse if t.data_ptr() == address]
+    probe = same[0] if same else reuse[0]
+    with torch.no_grad():
+        msg = error_of(lambda: ops.sdpa_replay(q, k, v, probe, 0))
+    assert "no attention output is kept" in msg
+    stats = attnstash.stash_stats()
+    assert stats["entries"] == 0 and stats["released_unused"] == released + 1
+
+
+def test_clear_stash_releases_everything():
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    anchors = [anchor_for(q) for _ in range(3)]
+    with torch.no_grad():
+        for a in anchors:
+            ops.sdpa_fwd_keep(q, k, v, a, 0)
+    assert attnstash.stash_stats()["entries"] == 3
+    assert attnstash.clear_stash() == 3
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def test_stats_report_every_counter():
+    assert set(attnstash.stash_stats()) == {"entries", "bytes", "peak_bytes", "keeps", "replays", "misses",
+                                            "released_unused"}
+
+
+# ---- torch.compile and opcheck -------------------------------------------------------------
+
+def test_opcheck_sdpa_fwd_keep_on_the_ordinary_path():
+    torch.manual_seed(0)
+    for dtype, hq, hkv in ((torch.float32, 4, 4), (torch.bfloat16, 8, 2)):
+        q, k, v = (t.detach().requires_grad_() for t in qkv(dtype, hq, hkv, 64))
+        anchor = torch.randn(3)
+        torch.library.opcheck(torch.ops.attnstash.sdpa_fwd_keep.default,
+                              (q, k, v, anchor, 0, None, 0.0, True, None, hq != hkv))
+
+
+@pytest.mark.parametrize("test_util", ["test_schema", "test_autograd_registration", "test_faketensor",
+                                       "test_aot_dispatch_dynamic"])
+def test_opcheck_sdpa_replay_on_a_prepared_entry(test_util):
+    # Each real call of sdpa_replay takes one entry; keep one for every call opcheck makes.
+    torch.manual_seed(0)
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    anchor = anchor_for(q)
+    real_calls = 0
+
+    class Refill(torch.overrides.TorchFunctionMode):
+        # opcheck calls the op several times on copies of the arguments: before each real
+        # call, keep a forward for exactly those arguments.
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            nonlocal real_calls
+            takes = (torch.ops.attnstash.sdpa_replay.default, torch.ops.attnstash._replay_take.default)
+            if func in takes and type(args[0]) is torch.Tensor:
+                # (Compiled code passes detached inputs: keep through a detached alias that
+                # requires grad, which has the anchor's data pointer, version and shape.)
+                anchor_alias = args[3].detach().requires_grad_()
+                with torch.no_grad():
+                    torch.ops.attnstash.sdpa_fwd_keep.default(*args[:3], anchor_alias, *args[4:])
+                real_calls += 1
+            return func(*args, **(kwargs or {}))
+
+    args = (q.detach().requires_grad_(), k.detach().requires_grad_(), v.detach().requires_grad_(), anchor, 0,
+            None, 0.0, True, None, False)
+    with Refill():
+        torch.library.opcheck(torch.ops.attnstash.sdpa_replay.default, args, test_utils=test_util)
+    assert real_calls >= (1 if test_util in ("test_schema", "test_aot_dispatch_dynamic") else 0)
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def test_compiled_fullgraph_call_matches_eager():
+    torch.manual_seed(0)
+    q, k, v = (t.detach().requires_grad_() for t in qkv(torch.float32, 8, 2, 64))
+
+    def attention(q, k, v, anchor):
+        return ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True, enable_gqa=True).sum(dim=1)
+
+    anchor = torch.randn(3)
+    eager = attention(q, k, v, anchor)
+    compiled = torch.compile(attention, fullgraph=True, backend="aot_eager")(q, k, v, anchor)
+    assert torch.equal(eager, compiled)
+    g = torch.randn_like(eager)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(eager, (q, k, v), g),
+                                                 torch.autograd.grad(compiled, (q, k, v), g)))

@@ -1,0 +1,51 @@
+// cuDNN attention: _scaled_dot_product_cudnn_attention and its derivative.
+#include "sdpa_backend.h"
+
+#include <c10/util/Exception.h>
+
+namespace attnstash {
+namespace {
+
+// Note: always ask for the log-sum-exp. F.sdpa asks for it only when an input
+// requires grad under grad mode, which never holds in a reentrant checkpoint's
+// first forward; cuDNN's backward does not check, and an empty LSE would give
+// it uninitialised memory to differentiate against.
+KeptAttention cudnn_forward(const SdpaCall& c) {
+  auto out = at::_scaled_dot_product_cudnn_attention(c.query, c.key, c.value, c.attn_mask,
+                                                     /*compute_log_sumexp=*/true, c.dropout_p, c.is_causal,
+                                                     /*return_debug_mask=*/false, c.scale);
+  KeptAttention kept;
+  kept.output = std::get<0>(out);
+  kept.logsumexp = std::get<1>(out);
+  TORCH_CHECK(kept.logsumexp.defined() && kept.logsumexp.numel() > 0,
+              "attnstash: cuDNN attention returned no log-sum-exp although it was asked for one; "
+              "this torch build cannot be used to keep cuDNN attention. Please report it with `python -m attnstash.info`.");
+  // cum_seq_q/cum_seq_k are only defined for nested (jagged) inputs, which are not kept.
+  TORCH_CHECK(!std::get<2>(out).defined() && !std::get<3>(out).defined(),
+              "attnstash: cuDNN attention returned cumulative sequence lengths for dense inputs; "
+              "this torch build cannot be used to keep cuDNN attention. Please report it with `python -m attnstash.info`.");
+  kept.extra = {std::get<6>(out), std::get<7>(out)};  // philox_seed, philox_offset
+  kept.max_q = std::get<4>(out).guard_int(__FILE__, __LINE__);
+  kept.max_k = std::get<5>(out).guard_int(__FILE__, __LINE__);
+  return kept;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cudnn_backward(const at::Tensor& grad, const SdpaCall& c,
+                                                              const KeptAttention& k) {
+  // derivatives.yaml: _scaled_dot_product_cudnn_attention_backward(grad, query, key, value, output,
+  //   logsumexp, philox_seed, philox_offset, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+  //   dropout_p, is_causal, scale)
+  //   (cum_seq_q and cum_seq_k are the forward's, undefined for dense inputs)
+  const at::Tensor& philox_seed = k.extra[0];
+  const at::Tensor& philox_offset = k.extra[1];
+  return at::_scaled_dot_product_cudnn_attention_backward(
+      grad, c.query, c.key, c.value, k.output, k.logsumexp, philox_seed, philox_offset,
+      c.attn_mask.value_or(at::Tensor()), at::Tensor(), at::Tensor(), k.max_q, k.max_k, c.dropout_p, c.is_causal,
+      c.scale);
+}
+
+}  // namespace
+
+const SdpaBackend cudnn_backend = {c10::DeviceType::CUDA, 3, "cudnn_attention", cudnn_forward, cudnn_backward};
+
+}  // namespace attnstash

@@ -1,0 +1,98 @@
+// The Autograd dispatch key: where the phase of an attention call is decided, and
+// the replay node whose backward is exactly PyTorch's derivative of the kept forward.
+#include "sdpa_stash.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+namespace attnstash {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+c10::OperatorHandle op_named(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+// Returns the kept output as a node of the recompute's graph. Its forward never runs
+// attention (it takes from the stash); its backward calls the kept backend's backward
+// with the recompute's query/key/value and the kept output and log-sum-exp, as
+// PyTorch's derivative does. Both halves are ops, so torch.compile can trace the node.
+struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const at::Tensor& anchor, int64_t slot,
+                            const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                            std::optional<double> scale, bool enable_gqa) {
+    static auto take = op_named("attnstash::_replay_take")
+                           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>>(
+                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                               const std::optional<at::Tensor>&, double, bool, std::optional<double>, bool)>();
+    at::Tensor output, logsumexp, info;
+    std::vector<at::Tensor> extra;
+    {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      std::tie(output, logsumexp, info, extra) =
+          take.call(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+    }
+    variable_list saved = {query, key, value, attn_mask.value_or(at::Tensor()), output, logsumexp, info};
+    saved.insert(saved.end(), extra.begin(), extra.end());
+    ctx->save_for_backward(saved);
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["enable_gqa"] = enable_gqa;
+    ctx->set_materialize_grads(false);
+    return output;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto backward_op =
+        op_named("attnstash::_replay_backward")
+            .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                at::TensorList, double, bool, std::optional<double>, bool)>();
+    variable_list grad_inputs(10);  // one per forward argument; anchor and mask get none
+    const at::Tensor& grad = grads[0];
+    if (!grad.defined()) return grad_inputs;  // the fused backwards do not check this themselves
+    variable_list saved = ctx->get_saved_variables();
+    std::optional<at::Tensor> mask;
+    if (saved[3].defined()) mask = saved[3];
+    std::vector<at::Tensor> extra(saved.begin() + 7, saved.end());
+    std::tie(grad_inputs[0], grad_inputs[1], grad_inputs[2]) = backward_op.call(
+        grad, saved[0], saved[1], saved[2], mask, saved[4], saved[5], saved[6], extra,
+        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(),
+        ctx->saved_data["scale"].toOptional<double>(), ctx->saved_data["enable_gqa"].toBool());
+    return grad_inputs;
+  }
+};
+
+at::Tensor sdpa_replay_autograd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
+                                double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  return ReplayFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+}
+
+at::Tensor sdpa_fwd_keep_autograd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                  const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
+                                  double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  if (is_recompute(anchor))
+    return sdpa_replay_autograd(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  if (at::GradMode::is_enabled())  // an ordinary differentiable call: F.sdpa's own graph
+    return sdpa_plain({query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa});
+  // No graph to record: the device kernel decides between keeping and a plain call.
+  static auto op = op_named("attnstash::sdpa_fwd_keep").typed<decltype(sdpa_fwd_keep_autograd)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(attnstash, Autograd, m) {
+  m.impl("sdpa_fwd_keep", &sdpa_fwd_keep_autograd);
+  m.impl("sdpa_replay", &sdpa_replay_autograd);
+}
+
+}  // namespace attnstash

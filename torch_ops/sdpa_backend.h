@@ -1,0 +1,65 @@
+// sdpa_backend.h: what one fused SDPA backend must provide to be kept and replayed.
+//
+// A backend is a forward that runs exactly the call F.scaled_dot_product_attention
+// makes for it (always computing the log-sum-exp), and a backward that is exactly
+// the call PyTorch's derivative for that forward makes (tools/autograd/derivatives.yaml).
+// Adding a backend: one file in backends/ defining an SdpaBackend, one line in the
+// table of backends/kept_backends.cpp, and its fake forward/backward in attnstash/ops.py.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace attnstash {
+
+// The arguments of one SDPA call, as F.scaled_dot_product_attention takes them.
+struct SdpaCall {
+  const at::Tensor& query;  // [batch, heads, seq_q, head_dim]
+  const at::Tensor& key;    // [batch, kv_heads, seq_k, head_dim]
+  const at::Tensor& value;  // [batch, kv_heads, seq_k, head_dim_v]
+  const std::optional<at::Tensor>& attn_mask;
+  double dropout_p;
+  bool is_causal;
+  std::optional<double> scale;
+  bool enable_gqa;
+};
+
+struct SdpaBackend;
+
+// What a first forward keeps: the output, its log-sum-exp, and whatever else the
+// backend's backward is given by PyTorch's derivative.
+struct KeptAttention {
+  const SdpaBackend* backend = nullptr;
+  at::Tensor output;
+  at::Tensor logsumexp;
+  std::vector<at::Tensor> extra;  // backend-specific tensors the backward takes (philox seed/offset, ...)
+  int64_t max_q = 0;
+  int64_t max_k = 0;
+};
+
+struct SdpaBackend {
+  c10::DeviceType device;
+  int64_t id;        // its torch.nn.attention.SDPBackend value, as at::_fused_sdp_choice returns it
+  const char* name;  // as PyTorch names it
+  KeptAttention (*forward)(const SdpaCall& call);
+  // Gradients for query, key and value; `grad` is defined.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> (*backward)(const at::Tensor& grad, const SdpaCall& call,
+                                                             const KeptAttention& kept);
+};
+
+// The name PyTorch gives an SDPBackend value (for error messages).
+const char* sdpa_backend_name(int64_t id);
+
+// Every backend attnstash can keep (backends/kept_backends.cpp).
+c10::ArrayRef<const SdpaBackend*> kept_backends();
+
+// The kept backend with this SDPBackend value on this device, or nullptr.
+const SdpaBackend* find_kept_backend(c10::DeviceType device, int64_t id);
+
+extern const SdpaBackend cpu_flash_backend;
+extern const SdpaBackend cudnn_backend;
+
+}  // namespace attnstash

@@ -1,0 +1,189 @@
+// sdpa_stash.cpp: keeping a first forward and taking it back, for any device.
+#include "sdpa_stash.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <sstream>
+
+namespace attnstash {
+namespace {
+
+bool inside_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
+
+void check_keepable(const SdpaCall& c, const char* op) {
+  const char* names[] = {"query", "key", "value"};
+  const at::Tensor* ts[] = {&c.query, &c.key, &c.value};
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK(ts[i]->dim() == 4, "attnstash::", op, ": ", names[i],
+                " must be 4-D [batch, heads, seq, head_dim] to be kept, but it is ", ts[i]->dim(), "-D with shape ",
+                ts[i]->sizes(), ". Transpose the projections to [batch, heads, seq, head_dim] as Hugging Face does.");
+  TORCH_CHECK(c.dropout_p == 0.0, "attnstash::", op, ": attention dropout (dropout_p=", c.dropout_p,
+              ") cannot be kept: the recompute could not reproduce its random mask. "
+              "Set the model's attention dropout to 0.0, or do not stash this layer.");
+  TORCH_CHECK(!c.attn_mask.has_value(), "attnstash::", op,
+              ": attention with an attn_mask cannot be kept by this build; pass attn_mask=None "
+              "(with is_causal for causal attention), or do not stash this layer.");
+}
+
+std::string kept_names(c10::DeviceType device) {
+  std::ostringstream s;
+  const char* sep = "";
+  for (const SdpaBackend* b : kept_backends())
+    if (b->device == device) s << sep << b->name, sep = ", ";
+  return s.str();
+}
+
+}  // namespace
+
+bool is_first_forward(const at::Tensor& anchor) {
+  return !at::GradMode::is_enabled() && !c10::InferenceMode::is_enabled() && !inside_backward() &&
+         anchor.requires_grad();
+}
+
+bool is_recompute(const at::Tensor& anchor) {
+  return at::GradMode::is_enabled() && inside_backward() && anchor.requires_grad();
+}
+
+at::Tensor sdpa_plain(const SdpaCall& c) {
+  return at::scaled_dot_product_attention(c.query, c.key, c.value, c.attn_mask, c.dropout_p, c.is_causal, c.scale,
+                                          c.enable_gqa);
+}
+
+at::Tensor keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t slot) {
+  const char* op = "sdpa_fwd_keep";
+  release_freed_entries();
+  check_keepable(c, op);
+  // Ask PyTorch which backend F.sdpa would run: this honours sdpa_kernel(...) contexts.
+  int64_t choice = at::_fused_sdp_choice(c.query, c.key, c.value, c.attn_mask, c.dropout_p, c.is_causal, c.scale,
+                                         c.enable_gqa);
+  const SdpaBackend* backend = find_kept_backend(c.query.device().type(), choice);
+  TORCH_CHECK(backend != nullptr, "attnstash::", op, ": PyTorch would run this attention with the ",
+              sdpa_backend_name(choice), " backend (query ", TensorMeta::of(c.query).str(), ", key ",
+              TensorMeta::of(c.key).str(), "), which attnstash cannot keep; on ", c.query.device().type(),
+              " it keeps: ", kept_names(c.query.device().type()),
+              ". Use inputs that backend accepts (e.g. bf16/fp16 and head_dim a multiple of 8 for cuDNN), or "
+              "select it with torch.nn.attention.sdpa_kernel(...), or do not stash this layer.");
+
+  auto entry = std::make_unique<KeptEntry>();
+  entry->attention = backend->forward(c);
+  entry->attention.backend = backend;
+  entry->query = TensorMeta::of(c.query);
+  entry->key = TensorMeta::of(c.key);
+  entry->value = TensorMeta::of(c.value);
+  if (c.attn_mask.has_value()) entry->mask = TensorMeta::of(*c.attn_mask);
+  entry->dropout_p = c.dropout_p;
+  entry->is_causal = c.is_causal;
+  entry->scale = c.scale;
+  entry->enable_gqa = c.enable_gqa;
+  at::Tensor output = entry->attention.output;
+  entry->output_version = static_cast<int64_t>(output._version());
+  keep_entry(anchor, slot, std::move(entry), op);
+  return output;
+}
+
+std::unique_ptr<KeptEntry> take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t slot) {
+  const char* op = "sdpa_replay";
+  release_freed_entries();
+  std::unique_ptr<KeptEntry> e = take_entry(anchor, slot, op);
+  // From here the entry is ours: any failure below releases it with the unique_ptr.
+  auto mismatch = [&](const char* what, const std::string& kept, const std::string& now) {
+    TORCH_CHECK(false, "attnstash::", op, ": the recompute's ", what, " (", now, ") differs from its first forward's (",
+                kept, "), so the kept output cannot stand in for it. The recompute must repeat the first forward's "
+                "attention call exactly; the kept output has been released.");
+  };
+  if (!(TensorMeta::of(c.query) == e->query)) mismatch("query", e->query.str(), TensorMeta::of(c.query).str());
+  if (!(TensorMeta::of(c.key) == e->key)) mismatch("key", e->key.str(), TensorMeta::of(c.key).str());
+  if (!(TensorMeta::of(c.value) == e->value)) mismatch("value", e->value.str(), TensorMeta::of(c.value).str());
+  auto mask_str = [](const std::optional<TensorMeta>& m) { return m ? m->str() : std::string("None"); };
+  std::optional<TensorMeta> mask_now;
+  if (c.attn_mask.has_value()) mask_now = TensorMeta::of(*c.attn_mask);
+  if (mask_now.has_value() != e->mask.has_value() || (mask_now && !(*mask_now == *e->mask)))
+    mismatch("attn_mask", mask_str(e->mask), mask_str(mask_now));
+  auto flags = [](double p, bool causal, std::optional<double> scale, bool gqa) {
+    std::ostringstream s;
+    s << "dropout_p=" << p << ", is_causal=" << causal << ", scale=";
+    if (scale) s << *scale; else s << "None";
+    s << ", enable_gqa=" << gqa;
+    return s.str();
+  };
+  std::string kept_flags = flags(e->dropout_p, e->is_causal, e->scale, e->enable_gqa);
+  std::string now_flags = flags(c.dropout_p, c.is_causal, c.scale, c.enable_gqa);
+  if (kept_flags != now_flags) mismatch("arguments", kept_flags, now_flags);
+  int64_t choice = at::_fused_sdp_choice(c.query, c.key, c.value, c.attn_mask, c.dropout_p, c.is_causal, c.scale,
+                                         c.enable_gqa);
+  if (choice != e->attention.backend->id)
+    mismatch("SDPA backend", sdpa_backend_name(e->attention.backend->id), sdpa_backend_name(choice));
+  TORCH_CHECK(e->attention.output._version() == e->output_version, "attnstash::", op,
+              ": the attention output returned by the first forward was modified in place before its recompute, "
+              "so it no longer is the attention of these inputs. Do not modify the output of "
+              "attnstash::sdpa_fwd_keep in place (copy it first); the kept output has been released.");
+  return e;
+}
+
+}  // namespace attnstash
+
+namespace attnstash {
+namespace {
+
+at::Tensor sdpa_fwd_keep_kernel(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
+                                double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  if (is_first_forward(anchor)) return keep_forward(call, anchor, slot);
+  return sdpa_plain(call);
+}
+
+// Without autograd a replay is only the take: the kept output, checked against this call.
+at::Tensor sdpa_replay_kernel(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                              const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
+                              double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  return take_for_replay(call, anchor, slot)->attention.output;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> replay_take_kernel(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& anchor, int64_t slot,
+    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
+    bool enable_gqa) {
+  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  KeptAttention kept = std::move(take_for_replay(call, anchor, slot)->attention);
+  at::Tensor info = at::tensor({kept.backend->id, kept.max_q, kept.max_k}, at::kLong);
+  return {kept.output, kept.logsumexp, info, kept.extra};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_backward_kernel(
+    const at::Tensor& grad, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& logsumexp,
+    const at::Tensor& info, at::TensorList extra, double dropout_p, bool is_causal, std::optional<double> scale,
+    bool enable_gqa) {
+  TORCH_CHECK(info.device().is_cpu() && info.scalar_type() == at::kLong && info.numel() == 3,
+              "attnstash::_replay_backward: info must be the CPU int64 [backend, max_q, max_k] that _replay_take "
+              "returned, got ", info.scalar_type(), info.sizes(), " on ", info.device());
+  const int64_t* i = info.data_ptr<int64_t>();
+  KeptAttention kept;
+  kept.backend = find_kept_backend(query.device().type(), i[0]);
+  TORCH_CHECK(kept.backend != nullptr, "attnstash::_replay_backward: no kept backend ", sdpa_backend_name(i[0]),
+              " on ", query.device().type());
+  kept.output = output;
+  kept.logsumexp = logsumexp;
+  kept.extra = extra.vec();
+  kept.max_q = i[1];
+  kept.max_k = i[2];
+  // (enable_gqa is no argument of any fused backward: K/V heads come from the shapes.)
+  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  return kept.backend->backward(grad, call, kept);
+}
+
+}  // namespace
+
+void register_device_kernels(torch::Library& m) {
+  m.impl("sdpa_fwd_keep", &sdpa_fwd_keep_kernel);
+  m.impl("sdpa_replay", &sdpa_replay_kernel);
+  m.impl("_replay_take", &replay_take_kernel);
+  m.impl("_replay_backward", &replay_backward_kernel);
+}
+
+}  // namespace attnstash
