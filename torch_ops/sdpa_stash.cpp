@@ -102,16 +102,15 @@ std::unique_ptr<KeptEntry> take_for_replay(const SdpaCall& c, const at::Tensor& 
   if (c.attn_mask.has_value()) mask_now = TensorMeta::of(*c.attn_mask);
   if (mask_now.has_value() != e->mask.has_value() || (mask_now && !(*mask_now == *e->mask)))
     mismatch("attn_mask", mask_str(e->mask), mask_str(mask_now));
-  auto flags = [](double p, bool causal, std::optional<double> scale, bool gqa) {
-    std::ostringstream s;
-    s << "dropout_p=" << p << ", is_causal=" << causal << ", scale=";
-    if (scale) s << *scale; else s << "None";
-    s << ", enable_gqa=" << gqa;
-    return s.str();
-  };
-  std::string kept_flags = flags(e->dropout_p, e->is_causal, e->scale, e->enable_gqa);
-  std::string now_flags = flags(c.dropout_p, c.is_causal, c.scale, c.enable_gqa);
-  if (kept_flags != now_flags) mismatch("arguments", kept_flags, now_flags);
+  if (c.dropout_p != e->dropout_p || c.is_causal != e->is_causal || c.scale != e->scale ||
+      c.enable_gqa != e->enable_gqa) {
+    auto flags = [](double p, bool causal, std::optional<double> scale, bool gqa) {
+      return c10::str("dropout_p=", p, ", is_causal=", causal, ", scale=", scale ? c10::str(*scale) : "None",
+                      ", enable_gqa=", gqa);
+    };
+    mismatch("arguments", flags(e->dropout_p, e->is_causal, e->scale, e->enable_gqa),
+             flags(c.dropout_p, c.is_causal, c.scale, c.enable_gqa));
+  }
   int64_t choice = at::_fused_sdp_choice(c.query, c.key, c.value, c.attn_mask, c.dropout_p, c.is_causal, c.scale,
                                          c.enable_gqa);
   if (choice != e->attention.backend->id)
