@@ -17,6 +17,8 @@ except ImportError:
 __version__ = "0.1.0"
 
 if _C is not None:
+    from .huggingface import install_attention_stash, layer_stash_stats, uninstall_attention_stash  # noqa: E402
     from .ops import clear_stash, sdpa_fwd_keep, sdpa_replay, stash_stats  # noqa: E402
 
-__all__ = ["sdpa_fwd_keep", "sdpa_replay", "stash_stats", "clear_stash"]
+__all__ = ["sdpa_fwd_keep", "sdpa_replay", "stash_stats", "clear_stash", "install_attention_stash",
+           "uninstall_attention_stash", "layer_stash_stats"]
