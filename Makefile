@@ -1,6 +1,7 @@
 # attnstash: every command a developer or CI needs. Each target does its own set-up.
 #
-#   make test       venv + build + GoogleTest (ctest) + pytest
+#   make test       venv + build + GoogleTest (ctest) + pytest, and the Hugging Face
+#                   tests again under transformers 4.57 (a second venv, same torch)
 #   make sanitize   the C registry suite under ASan+UBSan, and under TSan
 #   make build      only (re)build attnstash/_C into the venv
 #
@@ -12,13 +13,15 @@ BOOTSTRAP_PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.17.0
+HF4_VENV ?= .venv-hf4
+HF4_TRANSFORMERS ?= transformers==4.57.6
 REQUIREMENTS = $(TORCH) $(TRANSFORMERS) numpy pytest tqdm matplotlib psutil setuptools==80.9.0 wheel==0.45.1
 PYTHON ?= $(VENV)/bin/python
 BUILD_DIR ?= build/$(notdir $(VENV))
 PYTEST_ARGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all venv gtest build test test-cpp test-python sanitize clean
+.PHONY: all venv gtest build test test-cpp test-python test-hf4 sanitize clean
 all: test
 
 venv:
@@ -52,7 +55,14 @@ test-cpp: build
 test-python: build
 	$(PYTHON) -m pytest tests/python -q $(PYTEST_ARGS)
 
-test: test-cpp test-python
+# The same extension (same torch, same Python) imported from the source tree.
+test-hf4: build
+ifndef NO_VENV
+	@$(MAKE) --no-print-directory venv VENV=$(HF4_VENV) TRANSFORMERS=$(HF4_TRANSFORMERS) TORCH=$(TORCH)
+	PYTHONPATH=$(CURDIR) $(HF4_VENV)/bin/python -m pytest tests/python/test_huggingface.py -q -p no:cacheprovider $(PYTEST_ARGS)
+endif
+
+test: test-cpp test-python test-hf4
 
 sanitize: gtest
 	cmake -S . -B build/asan -DATTNSTASH_WITH_TORCH=OFF -DATTNSTASH_BUILD_TESTS=ON \

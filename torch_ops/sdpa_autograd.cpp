@@ -36,7 +36,9 @@ struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
       std::tie(output, logsumexp, info, extra) =
           take.call(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
     }
-    variable_list saved = {query, key, value, attn_mask.value_or(at::Tensor()), output, logsumexp, info};
+    // The backward gets the mask as the fused op got it (boolean made additive), like F.sdpa's.
+    at::Tensor mask = fused_attn_mask(attn_mask, query).value_or(at::Tensor());
+    variable_list saved = {query, key, value, mask, output, logsumexp, info};
     saved.insert(saved.end(), extra.begin(), extra.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["dropout_p"] = dropout_p;

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <limits>
 #include <sstream>
 
 namespace attnstash {
@@ -23,9 +24,6 @@ void check_keepable(const SdpaCall& c, const char* op) {
   TORCH_CHECK(c.dropout_p == 0.0, "attnstash::", op, ": attention dropout (dropout_p=", c.dropout_p,
               ") cannot be kept: the recompute could not reproduce its random mask. "
               "Set the model's attention dropout to 0.0, or do not stash this layer.");
-  TORCH_CHECK(!c.attn_mask.has_value(), "attnstash::", op,
-              ": attention with an attn_mask cannot be kept by this build; pass attn_mask=None "
-              "(with is_causal for causal attention), or do not stash this layer.");
 }
 
 std::string kept_names(c10::DeviceType device) {
@@ -45,6 +43,12 @@ bool is_first_forward(const at::Tensor& anchor) {
 
 bool is_recompute(const at::Tensor& anchor) {
   return at::GradMode::is_enabled() && inside_backward() && anchor.requires_grad();
+}
+
+std::optional<at::Tensor> fused_attn_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query) {
+  if (!mask.has_value() || mask->scalar_type() != at::kBool) return mask;
+  return at::where(mask->logical_not(), -std::numeric_limits<double>::infinity(),
+                   at::scalar_tensor(0.0, at::TensorOptions().dtype(query.scalar_type()).device(mask->device())));
 }
 
 at::Tensor sdpa_plain(const SdpaCall& c) {
@@ -68,12 +72,17 @@ at::Tensor keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t slo
               "select it with torch.nn.attention.sdpa_kernel(...), or do not stash this layer.");
 
   auto entry = std::make_unique<KeptEntry>();
-  entry->attention = backend->forward(c);
+  std::optional<at::Tensor> mask = fused_attn_mask(c.attn_mask, c.query);
+  entry->attention = backend->forward({c.query, c.key, c.value, mask, c.dropout_p, c.is_causal, c.scale, c.enable_gqa});
   entry->attention.backend = backend;
   entry->query = TensorMeta::of(c.query);
   entry->key = TensorMeta::of(c.key);
   entry->value = TensorMeta::of(c.value);
-  if (c.attn_mask.has_value()) entry->mask = TensorMeta::of(*c.attn_mask);
+  if (c.attn_mask.has_value()) {
+    entry->mask = TensorMeta::of(*c.attn_mask);
+    entry->mask_impl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(c.attn_mask->getIntrusivePtr());
+    entry->mask_version = static_cast<int64_t>(c.attn_mask->_version());
+  }
   entry->dropout_p = c.dropout_p;
   entry->is_causal = c.is_causal;
   entry->scale = c.scale;
@@ -102,6 +111,18 @@ std::unique_ptr<KeptEntry> take_for_replay(const SdpaCall& c, const at::Tensor& 
   if (c.attn_mask.has_value()) mask_now = TensorMeta::of(*c.attn_mask);
   if (mask_now.has_value() != e->mask.has_value() || (mask_now && !(*mask_now == *e->mask)))
     mismatch("attn_mask", mask_str(e->mask), mask_str(mask_now));
+  if (mask_now.has_value()) {
+    if (auto first = e->mask_impl.lock()) {  // the first forward's mask still lives: compare
+      if (first.get() == c.attn_mask->unsafeGetTensorImpl()) {
+        TORCH_CHECK(c.attn_mask->_version() == e->mask_version, "attnstash::", op,
+                    ": the attn_mask was modified in place between the first forward and its recompute (version ",
+                    e->mask_version, " then, ", c.attn_mask->_version(),
+                    " now); the kept output has been released.");
+      } else if (!at::equal(at::Tensor(std::move(first)), *c.attn_mask)) {
+        mismatch("attn_mask", "other values", "same shape and dtype, different values");
+      }
+    }
+  }
   if (c.dropout_p != e->dropout_p || c.is_causal != e->is_causal || c.scale != e->scale ||
       c.enable_gqa != e->enable_gqa) {
     auto flags = [](double p, bool causal, std::optional<double> scale, bool gqa) {

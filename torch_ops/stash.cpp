@@ -55,7 +55,7 @@ std::string shape_str(const stash_key& k) {
 
 std::string TensorMeta::str() const {
   std::ostringstream s;
-  s << c10::toString(dtype) << sizes << " on " << device;
+  s << c10::toString(dtype) << c10::IntArrayRef(sizes) << " on " << device;
   return s.str();
 }
 

@@ -5,6 +5,7 @@
 #include "sdpa_backend.h"
 
 #include <c10/core/StorageImpl.h>
+#include <c10/core/UndefinedTensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <memory>
@@ -28,6 +29,11 @@ struct KeptEntry {
   KeptAttention attention;
   TensorMeta query, key, value;
   std::optional<TensorMeta> mask;
+  // The first forward's mask, weakly: while it lives, the recompute's mask is compared
+  // with it (by identity and version, or else by content). The mask itself is not kept.
+  c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> mask_impl{
+      c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  int64_t mask_version = 0;
   double dropout_p = 0.0;
   bool is_causal = false;
   std::optional<double> scale;

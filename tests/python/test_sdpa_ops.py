@@ -243,7 +243,7 @@ def test_an_output_modified_in_place_before_its_recompute_is_rejected():
     assert "modified in place" in msg and "output" in msg
 
 
-@pytest.mark.parametrize("what", ["3-D", "dropout", "mask", "math backend", "second keep", "rank 9 anchor"])
+@pytest.mark.parametrize("what", ["3-D", "dropout", "math backend", "second keep", "rank 9 anchor"])
 def test_what_cannot_be_kept_fails_clearly_and_keeps_nothing(what):
     torch.manual_seed(0)
     q, k, v = qkv(torch.float32, 4, 4, 64)
@@ -256,9 +256,6 @@ def test_what_cannot_be_kept_fails_clearly_and_keeps_nothing(what):
         elif what == "dropout":
             msg = error_of(lambda: keep(dropout_p=0.1))
             assert "dropout_p=0.1" in msg and "attention dropout" in msg
-        elif what == "mask":
-            msg = error_of(lambda: keep(attn_mask=torch.zeros(48, 48)))
-            assert "attn_mask" in msg
         elif what == "math backend":
             with sdpa_kernel([SDPBackend.MATH]):
                 msg = error_of(lambda: keep())
@@ -272,6 +269,75 @@ def test_what_cannot_be_kept_fails_clearly_and_keeps_nothing(what):
             big = torch.zeros([1] * 9, requires_grad=True)
             msg = error_of(lambda: keep(anchor=big))
             assert "at most 8 dimensions" in msg
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def padding_mask(batch, seq, kind, dtype):
+    """A Hugging Face style 4-D mask [batch, 1, seq, seq]: causal, rows padded on the left
+    by different amounts (each row still attends to itself)."""
+    keep = torch.ones(batch, 1, seq, seq, dtype=torch.bool).tril()
+    for b in range(batch):
+        keep[b, :, :, : 3 * b] = False
+        keep[b, :, torch.arange(seq), torch.arange(seq)] = True
+    if kind == "bool":
+        return keep
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2)])
+def test_a_masked_keep_and_replay_are_bitwise_fsdpa(dtype, kind, hq, hkv):
+    torch.manual_seed(0)
+    q, k, v = qkv(dtype, hq, hkv, 64, batch=3, seq=40)
+    if hq != hkv:  # with a mask, Hugging Face repeats K/V instead of passing enable_gqa
+        k, v = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+    mask = padding_mask(3, 40, kind, dtype)
+    anchor = anchor_for(q)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    with torch.no_grad():
+        kept = ops.sdpa_fwd_keep(q, k, v, anchor, 0, mask)
+    assert torch.equal(kept, expected)
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    replayed = ops.sdpa_replay(qr, kr, vr, anchor, 0, mask)
+    g = torch.randn_like(replayed)
+    got = torch.autograd.grad(replayed, (qr, kr, vr), g)
+    qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(F.scaled_dot_product_attention(qa, ka, va, attn_mask=mask), (qa, ka, va), g)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_mask_that_requires_grad_is_not_kept_because_pytorch_runs_math_for_it():
+    # The fused backends give masks no gradient; for a mask that requires grad PyTorch
+    # chooses the math backend instead, which cannot be kept: a clear error, no silent grad.
+    torch.manual_seed(0)
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    mask = padding_mask(2, 48, "additive", torch.float32).requires_grad_()
+    with torch.no_grad():
+        msg = error_of(lambda: ops.sdpa_fwd_keep(q, k, v, anchor_for(q), 0, mask))
+    assert "math backend" in msg
+
+
+@pytest.mark.parametrize("change", ["values", "dtype", "in place"])
+def test_a_recompute_with_another_mask_is_refused(change):
+    torch.manual_seed(0)
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    mask = padding_mask(2, 48, "bool", torch.float32)
+    anchor = anchor_for(q)
+    with torch.no_grad():
+        ops.sdpa_fwd_keep(q, k, v, anchor, 0, mask)
+        if change == "values":
+            other = mask.clone()
+            other[1, :, :, 0] = ~other[1, :, :, 0]
+            msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, other))
+            assert "attn_mask" in msg and "different values" in msg
+        elif change == "dtype":
+            msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, padding_mask(2, 48, "additive", torch.float32)))
+            assert "attn_mask" in msg and "Bool" in msg and "Float" in msg
+        else:
+            mask[0, :, 5, 0] = ~mask[0, :, 5, 0]
+            msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, mask))
+            assert "attn_mask was modified in place" in msg
     assert attnstash.stash_stats()["entries"] == 0
 
 

@@ -1,0 +1,335 @@
+"""install_attention_stash on tiny Hugging Face models with reentrant checkpointing:
+the same loss and gradients as the normal recompute, nothing held after, and a clear
+error for every set-up in which a kept output could not be replayed."""
+import gc
+
+import pytest
+import torch
+import transformers
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+import attnstash
+from tiny_models import ARCHS, assert_bitwise_equal, batch, clone, loss_and_grads, tiny_model
+
+HF5 = int(transformers.__version__.split(".")[0]) >= 5
+
+
+@pytest.fixture
+def installed():
+    """Install on models through this, so every test ends with the stash uninstalled."""
+    models = []
+
+    def install(model, n):
+        layers = attnstash.install_attention_stash(model, n)
+        models.append(model)
+        return layers
+
+    yield install
+    for model in models:
+        try:
+            attnstash.uninstall_attention_stash(model)
+        except ValueError:
+            pass  # the test uninstalled it itself
+
+
+def counters():
+    s = attnstash.stash_stats()
+    return s["keeps"], s["replays"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("stashed", [1, 2, 3])
+def test_loss_and_every_gradient_equal_the_normal_recompute(arch, stashed, installed):
+    base = tiny_model(arch)
+    ids = batch()
+    reference = loss_and_grads(clone(base), ids)
+    assert_bitwise_equal(reference, loss_and_grads(clone(base), ids))  # the baseline is bitwise reproducible
+
+    model = clone(base)
+    assert installed(model, stashed) == list(range(3 - stashed, 3))
+    keeps, replays = counters()
+    got = loss_and_grads(model, ids)
+    assert_bitwise_equal(got, reference)
+    keeps2, replays2 = counters()
+    assert keeps2 - keeps == replays2 - replays == stashed
+    assert attnstash.stash_stats()["entries"] == 0 and attnstash.stash_stats()["bytes"] == 0
+
+
+def test_the_stash_holds_one_output_per_stashed_layer_until_backward(installed):
+    model = tiny_model("qwen3_moe")
+    installed(model, 2)
+    ids = batch()
+    loss = model(input_ids=ids, labels=ids).loss
+    per_layer = attnstash.layer_stash_stats(model)
+    # output [2, 4 heads, 24, 16] fp32 + LSE [2, 4, 24] fp32
+    assert per_layer == {1: (1, 2 * 4 * 24 * 16 * 4 + 2 * 4 * 24 * 4), 2: (1, 2 * 4 * 24 * 16 * 4 + 2 * 4 * 24 * 4)}
+    loss.backward()
+    assert attnstash.layer_stash_stats(model) == {1: (0, 0), 2: (0, 0)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batches_give_the_normal_recompute_bitwise(arch, side, installed):
+    base = tiny_model(arch)
+    ids = batch(batch_size=3)
+    mask = torch.ones_like(ids)
+    for row, pad in enumerate((0, 4, 9)):  # a different length per row
+        if pad:
+            mask[row, :pad] = 0 if side == "left" else 1
+            if side == "right":
+                mask[row, -pad:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    reference = step(clone(base))
+    assert_bitwise_equal(reference, step(clone(base)))
+    model = clone(base)
+    installed(model, 3)
+    keeps, replays = counters()
+    assert_bitwise_equal(step(model), reference)
+    assert counters() == (keeps + 3, replays + 3)
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def test_two_forwards_then_backwards_in_reverse_order_take_their_own_outputs(installed):
+    base = tiny_model("mixtral")
+    ids_a, ids_b = batch(seed=1), batch(seed=2)
+    ref_model = clone(base)
+    ref_model(input_ids=ids_a, labels=ids_a).loss.backward()
+    ref_model(input_ids=ids_b, labels=ids_b).loss.backward()
+    reference = {n: p.grad for n, p in ref_model.named_parameters()}
+
+    model = clone(base)
+    installed(model, 3)
+    loss_a = model(input_ids=ids_a, labels=ids_a).loss
+    loss_b = model(input_ids=ids_b, labels=ids_b).loss
+    assert attnstash.stash_stats()["entries"] == 6
+    loss_b.backward()
+    loss_a.backward()
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, reference[n], rtol=0, atol=1e-6), n  # sums in another order
+    # Bitwise against the same order without the stash.
+    ref2 = clone(base)
+    la, lb = ref2(input_ids=ids_a, labels=ids_a).loss, ref2(input_ids=ids_b, labels=ids_b).loss
+    lb.backward()
+    la.backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), ref2.parameters()))
+
+
+def test_gradient_accumulation_over_micro_batches_and_optimizer_steps(installed):
+    base = tiny_model("qwen2")
+
+    def train(model):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            for micro in range(3):
+                ids = batch(seed=10 * step + micro)
+                loss = model(input_ids=ids, labels=ids).loss / 3
+                loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    ref_losses, ref_params = train(clone(base))
+    model = clone(base)
+    installed(model, 3)
+    keeps, replays = counters()
+    losses, params = train(model)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert counters() == (keeps + 27, replays + 27)
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def test_a_dropped_forward_is_released_when_its_graph_is_freed(installed):
+    model = tiny_model("llama")
+    installed(model, 3)
+    released = attnstash.stash_stats()["released_unused"]
+    ids = batch()
+    out = model(input_ids=ids, labels=ids)
+    assert attnstash.stash_stats()["entries"] == 3
+    del out
+    gc.collect()
+    stats = attnstash.stash_stats()
+    assert stats["entries"] == 0 and stats["bytes"] == 0  # no later forward was needed
+    assert stats["released_unused"] == released + 3
+
+
+def test_a_no_grad_forward_retains_nothing(installed):
+    model = tiny_model("llama")
+    reference = clone(model)
+    installed(model, 3)
+    ids = batch()
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+        ref = reference(input_ids=ids).logits
+    assert torch.equal(out, ref)
+    del out
+    gc.collect()
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def test_eval_and_generate_keep_nothing_and_match_the_original(installed):
+    model = tiny_model("qwen3_moe")
+    reference = clone(model)
+    installed(model, 3)
+    for m in (model, reference):
+        m.eval()
+    ids = batch()
+    keeps = attnstash.stash_stats()["keeps"]
+    assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+    with torch.no_grad():
+        gen = model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+        ref = reference.generate(ids[:, :8], max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
+    assert torch.equal(gen, ref)
+    assert attnstash.stash_stats()["keeps"] == keeps and attnstash.stash_stats()["entries"] == 0
+
+
+# ---- fails instead of falling back ---------------------------------------------------------
+
+def test_a_model_without_sdpa_is_refused():
+    model = tiny_model("llama", attn="eager")
+    with pytest.raises(ValueError, match="attn_implementation='eager'.*sdpa"):
+        attnstash.install_attention_stash(model, 1)
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    model = torch.nn.Linear(4, 4)
+    model.config = transformers.PretrainedConfig()
+    model.config._attn_implementation = "sdpa"
+    with pytest.raises(ValueError, match="no decoder layers"):
+        attnstash.install_attention_stash(model, 1)
+
+
+@pytest.mark.parametrize("bad", [True, 1.0, "2", None, 0, -1, 4])
+def test_num_layers_must_be_an_int_between_1_and_the_layer_count(bad):
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="num_layers"):
+        attnstash.install_attention_stash(model, bad)
+    assert not any(hasattr(m, "_attnstash") for m in model.modules())
+
+
+def test_a_second_install_on_a_stashed_layer_is_refused(installed):
+    model = tiny_model("llama")
+    installed(model, 2)
+    with pytest.raises(ValueError, match="already has the stash"):
+        attnstash.install_attention_stash(model, 3)
+    assert attnstash.layer_stash_stats(model).keys() == {1, 2}
+
+
+def test_missing_transformers_entry_points_are_named(monkeypatch):
+    import transformers.modeling_layers
+    monkeypatch.delattr(transformers.modeling_layers, "GradientCheckpointingLayer")
+    with pytest.raises(ValueError, match="transformers.modeling_layers.GradientCheckpointingLayer"):
+        attnstash.install_attention_stash(torch.nn.Linear(1, 1), 1)
+
+
+def run_error(model, **kwargs):
+    ids = batch()
+    with pytest.raises(RuntimeError) as info:
+        model(input_ids=ids, labels=ids, **kwargs).loss.backward()
+    return str(info.value)
+
+
+def test_training_without_checkpointing_fails(installed):
+    model = tiny_model("llama")
+    model.gradient_checkpointing_disable()
+    installed(model, 1)
+    msg = run_error(model)
+    assert "decoder layer 2" in msg and "without activation checkpointing" in msg and "use_reentrant" in msg
+
+
+def test_non_reentrant_checkpointing_fails(installed):
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    installed(model, 1)
+    msg = run_error(model)
+    assert "decoder layer 2" in msg and "non-reentrant" in msg
+
+
+def test_offloaded_checkpointing_fails(installed):
+    # What gradient_checkpointing_enable(offload=True) wraps the checkpoint in (transformers 5
+    # asks for pinned memory, which needs an accelerator, so it is set up by hand here).
+    model = tiny_model("llama")
+    installed(model, 1)
+    with torch.autograd.graph.save_on_cpu():
+        msg = run_error(model)
+    assert "decoder layer 2" in msg and "offload" in msg
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def test_attention_dropout_fails(installed):
+    model = tiny_model("qwen2", attention_dropout=0.1)
+    installed(model, 1)
+    msg = run_error(model)
+    assert "decoder layer 2" in msg and "dropout_p=0.1" in msg
+
+
+def test_an_unsupported_sdpa_backend_is_named(installed):
+    model = tiny_model("llama")
+    installed(model, 1)
+    with sdpa_kernel([SDPBackend.MATH]):
+        msg = run_error(model)
+    assert "decoder layer 2" in msg and "math backend" in msg
+
+
+def test_a_recompute_with_nothing_kept_names_the_layer(installed):
+    model = tiny_model("mistral")
+    installed(model, 2)
+    ids = batch()
+    loss = model(input_ids=ids, labels=ids).loss
+    attnstash.clear_stash()
+    with pytest.raises(RuntimeError, match=r"decoder layer 2 \(MistralDecoderLayer\).*no attention output is kept"):
+        loss.backward()
+
+
+# ---- uninstall and several models ----------------------------------------------------------
+
+def test_uninstall_restores_the_original_behaviour():
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    local_before = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
+    model = tiny_model("llama")
+    hooks_before = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+    attnstash.install_attention_stash(model, 3)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not original
+    attnstash.uninstall_attention_stash(model)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
+    assert dict(ALL_ATTENTION_FUNCTIONS._local_mapping) == local_before
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()] == hooks_before
+    assert not any(hasattr(m, "_attnstash") for m in model.modules())
+    model.gradient_checkpointing_disable()
+    ids = batch()
+    model(input_ids=ids, labels=ids).loss.backward()  # would fail if anything were left
+    assert attnstash.stash_stats()["entries"] == 0
+    with pytest.raises(ValueError, match="no attention stash installed"):
+        attnstash.uninstall_attention_stash(model)
+
+
+def test_two_models_installed_at_once_do_not_interfere(installed):
+    base_a, base_b = tiny_model("llama", seed=0), tiny_model("qwen3_moe", seed=1)
+    ids = batch()
+    ref_a, ref_b = loss_and_grads(clone(base_a), ids), loss_and_grads(clone(base_b), ids)
+    a, b = clone(base_a), clone(base_b)
+    installed(a, 3)
+    installed(b, 1)
+    loss_a = a(input_ids=ids, labels=ids).loss
+    loss_b = b(input_ids=ids, labels=ids).loss
+    assert attnstash.layer_stash_stats(a).keys() == {0, 1, 2} and attnstash.layer_stash_stats(b).keys() == {2}
+    loss_a.backward()
+    assert attnstash.layer_stash_stats(b)[2][0] == 1  # a's backward left b's output alone
+    loss_b.backward()
+    assert_bitwise_equal((loss_a.detach(), {n: p.grad for n, p in a.named_parameters()}), ref_a)
+    assert_bitwise_equal((loss_b.detach(), {n: p.grad for n, p in b.named_parameters()}), ref_b)
+    attnstash.uninstall_attention_stash(a)
+    keeps = attnstash.stash_stats()["keeps"]
+    b.zero_grad()
+    assert_bitwise_equal(loss_and_grads(b, ids), ref_b)
+    assert attnstash.stash_stats()["keeps"] == keeps + 1  # b still stashes its last layer

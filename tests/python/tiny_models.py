@@ -1,0 +1,59 @@
+"""Tiny Hugging Face decoders built from configs (no downloads), for the tests."""
+import copy
+
+import torch
+import transformers
+
+ARCHS = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
+VOCAB = 97
+
+
+def tiny_config(arch, layers=3, **overrides):
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, use_cache=False,
+                  tie_word_embeddings=False)
+    config_class, extra = {
+        "llama": (transformers.LlamaConfig, {}),
+        "mistral": (transformers.MistralConfig, {"sliding_window": None}),
+        "qwen2": (transformers.Qwen2Config, {}),
+        "mixtral": (transformers.MixtralConfig, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, {"num_experts": 4, "num_experts_per_tok": 2,
+                                                    "moe_intermediate_size": 32, "head_dim": 16}),
+    }[arch]
+    return config_class(**{**common, **extra, **overrides})
+
+
+def tiny_model(arch="llama", layers=3, seed=0, attn="sdpa", **overrides):
+    """A model with random weights from `seed`, in train mode, with reentrant checkpointing."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, layers, **overrides),
+                                                          attn_implementation=attn)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    return model
+
+
+def clone(model):
+    return copy.deepcopy(model)
+
+
+def batch(seed=1, batch_size=2, seq=24):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch_size, seq), generator=g)
+
+
+def loss_and_grads(model, ids, **kwargs):
+    """One forward+backward; (loss, {name: grad})."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=ids, labels=ids, **kwargs).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_bitwise_equal(a, b):
+    loss_a, grads_a = a
+    loss_b, grads_b = b
+    assert torch.equal(loss_a, loss_b), (loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    different = [n for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
+    assert not different, f"gradients differ: {different}"
