@@ -65,7 +65,7 @@ def reset_peak() -> None:
 # SDPA op F.sdpa would run for these inputs, so PyTorch's own meta functions give the
 # exact shape, dtype and strides. One branch per kept backend (torch_ops/backends/).
 _aten = torch.ops.aten
-_CUDNN = 3  # torch.nn.attention.SDPBackend.CUDNN_ATTENTION
+_FLASH, _EFFICIENT, _CUDNN = 1, 2, 3  # torch.nn.attention.SDPBackend values
 
 
 def _fake_backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -73,8 +73,8 @@ def _fake_backend(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return "cpu_flash"
     choice = int(torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                                          enable_gqa=enable_gqa))
-    if query.device.type == "cuda" and choice == _CUDNN:
-        return "cudnn"
+    if query.device.type == "cuda" and choice in (_FLASH, _EFFICIENT, _CUDNN):
+        return {_FLASH: "flash", _EFFICIENT: "efficient", _CUDNN: "cudnn"}[choice]
     raise NotImplementedError(f"attnstash: SDPA backend {choice} on {query.device} is not kept, so it has no fake kernel")
 
 
@@ -85,9 +85,26 @@ def _fake_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
         return out, lse, []
+    if backend == "flash":
+        r = _aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                      scale=_flash_scale(query, scale))
+        return r[0], r[1], [r[6], r[7]]
+    if backend == "efficient":
+        r = _aten._scaled_dot_product_efficient_attention(query, key, value, _efficient_bias(attn_mask, query, key),
+                                                          True, dropout_p, is_causal, scale=scale)
+        return r[0], r[1], [r[2], r[3]]
     r = _aten._scaled_dot_product_cudnn_attention(query, key, value, attn_mask, True, dropout_p, is_causal, False,
                                                   scale=scale)
     return r[0], r[1], [r[6], r[7]]
+
+
+def _flash_scale(query, scale):
+    return scale if scale is not None else 1.0 / query.shape[-1] ** 0.5
+
+
+def _efficient_bias(mask, query, key):
+    # Layout only matters to the real kernel; the fake needs the expanded shape.
+    return None if mask is None else mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
 
 
 def _fake_output(query, key, value, anchor, slot, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -104,7 +121,7 @@ torch.library.register_fake("attnstash::sdpa_replay")(_fake_output)
 @torch.library.register_fake("attnstash::_replay_take")
 def _replay_take_fake(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     out, lse, extra = _fake_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return out, lse, torch.empty(3, dtype=torch.long, device="cpu"), extra
+    return out, lse, torch.empty(4, dtype=torch.long, device="cpu"), extra
 
 
 @torch.library.register_fake("attnstash::_replay_backward")
@@ -114,6 +131,14 @@ def _replay_backward_fake(grad, query, key, value, attn_mask, output, logsumexp,
     if backend == "cpu_flash":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, query, key, value, output, logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+    if backend == "flash":
+        return _aten._scaled_dot_product_flash_attention_backward(
+            grad, query, key, value, output, logsumexp, None, None, query.shape[2], key.shape[2], dropout_p,
+            is_causal, extra[0], extra[1], scale=_flash_scale(query, scale))
+    if backend == "efficient":
+        return _aten._scaled_dot_product_efficient_attention_backward(
+            grad, query, key, value, _efficient_bias(attn_mask, query, key), output, logsumexp, extra[0], extra[1],
+            dropout_p, [True, True, True, False], is_causal, scale=scale)[:3]
     return _aten._scaled_dot_product_cudnn_attention_backward(
         grad, query, key, value, output, logsumexp, extra[0], extra[1], attn_mask, None, None,
         query.shape[2], key.shape[2], dropout_p, is_causal, scale=scale)

@@ -26,8 +26,8 @@ TORCH_LIBRARY(attnstash, m) {
       "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False) -> Tensor");
 
   // The two halves of sdpa_replay's autograd node, as ops so that torch.compile can
-  // trace it: the take (kept output, log-sum-exp, CPU int64 [backend, max_q, max_k],
-  // and the backend's extra tensors) ...
+  // trace it: the take (kept output, log-sum-exp, CPU int64 [backend, max_q, max_k,
+  // bitmask of defined extras], and the backend's extra tensors) ...
   m.def(
       "_replay_take(Tensor query, Tensor key, Tensor value, Tensor anchor, int slot, Tensor? attn_mask, "
       "float dropout_p, bool is_causal, float? scale, bool enable_gqa) -> (Tensor output, Tensor logsumexp, "

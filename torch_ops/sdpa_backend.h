@@ -61,5 +61,7 @@ const SdpaBackend* find_kept_backend(c10::DeviceType device, int64_t id);
 
 extern const SdpaBackend cpu_flash_backend;
 extern const SdpaBackend cudnn_backend;
+extern const SdpaBackend cuda_flash_backend;
+extern const SdpaBackend efficient_backend;
 
 }  // namespace attnstash

@@ -1,4 +1,5 @@
-// The CUDA dispatch key. Kept here: cuDNN attention (backends/cudnn.cpp). Only ATen
+// The CUDA dispatch key. Kept here: cuDNN, flash and memory-efficient attention
+// (backends/cudnn.cpp, cuda_flash.cpp, efficient.cpp). Only ATen
 // calls: no CUDA headers, so this builds against CPU and CUDA torch wheels alike.
 #include "sdpa_stash.h"
 

@@ -24,6 +24,9 @@ void check_keepable(const SdpaCall& c, const char* op) {
   TORCH_CHECK(c.dropout_p == 0.0, "attnstash::", op, ": attention dropout (dropout_p=", c.dropout_p,
               ") cannot be kept: the recompute could not reproduce its random mask. "
               "Set the model's attention dropout to 0.0, or do not stash this layer.");
+  TORCH_CHECK(!(c.attn_mask.has_value() && c.attn_mask->requires_grad()), "attnstash::", op,
+              ": the attn_mask requires grad, but the kept path gives masks no gradient (as PyTorch's flash and "
+              "cuDNN derivatives do). Pass attn_mask.detach(), or do not stash this layer.");
 }
 
 std::string kept_names(c10::DeviceType device) {
@@ -170,7 +173,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> replay_t
     bool enable_gqa) {
   SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
   KeptAttention kept = std::move(take_for_replay(call, anchor, slot)->attention);
-  at::Tensor info = at::tensor({kept.backend->id, kept.max_q, kept.max_k}, at::kLong);
+  // A Tensor[] cannot hold undefined tensors: stand in empty ones and record which.
+  int64_t defined = 0;
+  for (size_t i = 0; i < kept.extra.size(); ++i) {
+    if (kept.extra[i].defined()) defined |= int64_t{1} << i;
+    else kept.extra[i] = at::empty({0}, query.options().dtype(at::kByte));
+  }
+  at::Tensor info = at::tensor({kept.backend->id, kept.max_q, kept.max_k, defined}, at::kLong);
   return {kept.output, kept.logsumexp, info, kept.extra};
 }
 
@@ -179,8 +188,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_backward_kernel(
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& logsumexp,
     const at::Tensor& info, at::TensorList extra, double dropout_p, bool is_causal, std::optional<double> scale,
     bool enable_gqa) {
-  TORCH_CHECK(info.device().is_cpu() && info.scalar_type() == at::kLong && info.numel() == 3,
-              "attnstash::_replay_backward: info must be the CPU int64 [backend, max_q, max_k] that _replay_take "
+  TORCH_CHECK(info.device().is_cpu() && info.scalar_type() == at::kLong && info.numel() == 4,
+              "attnstash::_replay_backward: info must be the CPU int64 [backend, max_q, max_k, defined extras] "
+              "that _replay_take "
               "returned, got ", info.scalar_type(), info.sizes(), " on ", info.device());
   const int64_t* i = info.data_ptr<int64_t>();
   KeptAttention kept;
@@ -190,6 +200,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_backward_kernel(
   kept.output = output;
   kept.logsumexp = logsumexp;
   kept.extra = extra.vec();
+  for (size_t e = 0; e < kept.extra.size(); ++e)
+    if (!(i[3] >> e & 1)) kept.extra[e] = at::Tensor();
   kept.max_q = i[1];
   kept.max_k = i[2];
   // (enable_gqa is no argument of any fused backward: K/V heads come from the shapes.)

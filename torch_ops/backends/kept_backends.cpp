@@ -5,8 +5,10 @@ namespace attnstash {
 
 namespace {
 const SdpaBackend* const table[] = {
-    &cpu_flash_backend,  // CPU: _scaled_dot_product_flash_attention_for_cpu
-    &cudnn_backend,      // CUDA: _scaled_dot_product_cudnn_attention
+    &cpu_flash_backend,   // CPU: _scaled_dot_product_flash_attention_for_cpu
+    &cudnn_backend,       // CUDA: _scaled_dot_product_cudnn_attention
+    &cuda_flash_backend,  // CUDA: _scaled_dot_product_flash_attention
+    &efficient_backend,   // CUDA: _scaled_dot_product_efficient_attention
 };
 }  // namespace
 
