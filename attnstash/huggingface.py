@@ -2,7 +2,7 @@
 
     layers = attnstash.install_attention_stash(model, num_layers=8)
     ...train with model.gradient_checkpointing_enable(
-           gradient_checkpointing_kwargs={"use_reentrant": True})...
+           gradient_checkpointing_kwargs={"use_reentrant": True})   # or False...
     attnstash.uninstall_attention_stash(model)
 
 It wraps the "sdpa" entry of transformers' ALL_ATTENTION_FUNCTIONS once. For a stashed
@@ -10,8 +10,9 @@ layer the wrapper runs Hugging Face's own sdpa function, with its one call of
 F.scaled_dot_product_attention routed to attnstash::sdpa_fwd_keep (anchored on the
 layer's input), so every detail of that function (grouped K/V, is_causal rules, mask
 slicing, output layout) is Hugging Face's, on any transformers version. The op decides
-whether a call keeps, replays or is a plain SDPA call; this module only refuses the
-training set-ups in which a kept output could not be replayed.
+whether a call keeps, replays or is a plain SDPA call, under reentrant or non-reentrant
+checkpointing; this module only refuses the training set-ups in which a kept output
+could not be replayed.
 """
 import itertools
 import threading
@@ -84,7 +85,9 @@ def _in_backward():
 
 
 def _before_layer(stash, layer, args, kwargs):
-    """Forward pre-hook: record the anchor, or refuse a forward that could not be replayed."""
+    """Forward pre-hook: record the anchor, or refuse a forward that could not be replayed.
+    Reentrant checkpointing runs the first forward with grad off, non-reentrant with grad
+    on under its saved-tensor hooks; the op tells the two apart and keeps for either."""
     stash.anchor = None
     if not layer.training:  # eval and generation: the original attention, untouched
         return
@@ -93,26 +96,22 @@ def _before_layer(stash, layer, args, kwargs):
     if first_forward_with_grad and not checkpointed:
         raise RuntimeError(
             f"attnstash: {stash.name} is stashed but runs a training forward without activation checkpointing, "
-            "so nothing would replay what it keeps. Enable reentrant checkpointing on every stashed layer: "
+            "so the stash could only cost memory. Enable checkpointing on every stashed layer: "
             "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': True}) "
-            "(with every_n_layers=1), or uninstall the stash.")
-    if first_forward_with_grad:
-        raise RuntimeError(
-            f"attnstash: {stash.name} runs its checkpointed forward with grad enabled, which is non-reentrant "
-            "checkpointing (transformers 5 defaults to it); attnstash needs reentrant checkpointing: "
-            "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': True}).")
+            "(or False; with every_n_layers=1), or uninstall the stash.")
     if not checkpointed and not _in_backward():  # a no-grad training forward: nothing will be recomputed
         return
     hidden = args[0] if args else kwargs.get("hidden_states")
     if not isinstance(hidden, torch.Tensor):
         raise RuntimeError(f"attnstash: {stash.name} was called without a hidden_states tensor (got "
                            f"{type(hidden).__name__}); the stash anchors on the decoder layer's input.")
-    if not _in_backward() and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    reentrant_first_forward = not torch.is_grad_enabled() and not _in_backward()
+    if reentrant_first_forward and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         raise RuntimeError(
-            f"attnstash: {stash.name} runs under saved-tensor hooks (offloaded checkpointing, "
-            "gradient_checkpointing_enable(offload=True), or torch.autograd.graph.save_on_cpu): they give the "
-            "recompute a copy of the layer input, so it could not find its kept output. Turn offloading off "
-            "for stashed layers, or uninstall the stash.")
+            f"attnstash: {stash.name} runs a reentrant checkpoint under saved-tensor hooks (offloaded "
+            "checkpointing: gradient_checkpointing_enable(offload=True), or torch.autograd.graph.save_on_cpu): "
+            "they give the recompute a copy of the layer input, so it could not find its kept output. Use "
+            "non-reentrant checkpointing with offloading (use_reentrant=False), or turn offloading off.")
     stash.anchor = hidden
     if not _in_backward() and hidden.requires_grad:
         # Release what this forward keeps as soon as its input is freed (its graph was

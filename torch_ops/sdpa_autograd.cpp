@@ -71,6 +71,51 @@ struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
   }
 };
 
+// Non-reentrant checkpointing: the first forward's own node is the one whose backward
+// runs, and the recompute only refills the tensors it saved. So the first forward keeps
+// output and log-sum-exp in the stash (out of the checkpoint's reach) and saves only
+// query, key, value and mask, which the checkpoint frees and refills; the recompute runs
+// the same node over the kept output, saving the same tensors, without running attention;
+// and the first forward's backward takes the entry and calls the kept backend's backward.
+struct KeptGraphFunction : public torch::autograd::Function<KeptGraphFunction> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
+                            const at::Tensor& value, const at::Tensor& anchor, int64_t slot,
+                            const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                            std::optional<double> scale, bool enable_gqa, bool recompute) {
+    SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+    at::Tensor output = recompute ? output_for_recompute(call, anchor, slot)
+                                  : keep_forward(call, anchor, slot, /*with_graph=*/true);
+    ctx->save_for_backward({query, key, value, fused_attn_mask(attn_mask, query).value_or(at::Tensor())});
+    ctx->saved_data["anchor"] = anchor.detach();  // the key to take in backward (not checkpointed)
+    ctx->saved_data["slot"] = slot;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->saved_data["is_causal"] = is_causal;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["enable_gqa"] = enable_gqa;
+    ctx->set_materialize_grads(false);
+    return output;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list grad_inputs(11);
+    const at::Tensor& grad = grads[0];
+    if (!grad.defined()) return grad_inputs;
+    variable_list saved = ctx->get_saved_variables();
+    std::optional<at::Tensor> mask;
+    if (saved[3].defined()) mask = saved[3];
+    SdpaCall call{saved[0], saved[1], saved[2], mask, ctx->saved_data["dropout_p"].toDouble(),
+                  ctx->saved_data["is_causal"].toBool(), ctx->saved_data["scale"].toOptional<double>(),
+                  ctx->saved_data["enable_gqa"].toBool()};
+    // The check runs on the mask as the fused op saw it, which is what was saved. The
+    // backend is this forward's own, whatever sdpa_kernel context the backward runs in.
+    std::unique_ptr<KeptEntry> entry = take_for_replay(call, ctx->saved_data["anchor"].toTensor(),
+                                                       ctx->saved_data["slot"].toInt(), /*check_backend=*/false);
+    const KeptAttention& kept = entry->attention;
+    std::tie(grad_inputs[0], grad_inputs[1], grad_inputs[2]) = kept.backend->backward(grad, call, kept);
+    return grad_inputs;
+  }
+};
+
 at::Tensor sdpa_replay_autograd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                 const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
                                 double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
@@ -80,10 +125,23 @@ at::Tensor sdpa_replay_autograd(const at::Tensor& query, const at::Tensor& key, 
 at::Tensor sdpa_fwd_keep_autograd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                   const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
                                   double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  if (is_recompute(anchor))
-    return sdpa_replay_autograd(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
-  if (at::GradMode::is_enabled())  // an ordinary differentiable call: F.sdpa's own graph
-    return sdpa_plain({query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa});
+  switch (phase_of(anchor)) {
+    case Phase::recompute:
+      if (kept_with_graph(anchor, slot))  // a non-reentrant recompute: refill, keep holding
+        return KeptGraphFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
+                                        enable_gqa, /*recompute=*/true);
+      return sdpa_replay_autograd(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
+                                  enable_gqa);
+    case Phase::graph_forward:
+      return KeptGraphFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
+                                      enable_gqa, /*recompute=*/false);
+    case Phase::plain:
+      if (at::GradMode::is_enabled())  // an ordinary differentiable call: F.sdpa's own graph
+        return sdpa_plain({query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa});
+      break;
+    case Phase::first_forward:
+      break;
+  }
   // No graph to record: the device kernel decides between keeping and a plain call.
   static auto op = op_named("attnstash::sdpa_fwd_keep").typed<decltype(sdpa_fwd_keep_autograd)>();
   at::AutoDispatchBelowADInplaceOrView below_autograd;

@@ -1,6 +1,7 @@
 // sdpa_stash.cpp: keeping a first forward and taking it back, for any device.
 #include "sdpa_stash.h"
 
+#include <ATen/SavedTensorHooks.h>
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
@@ -39,13 +40,15 @@ std::string kept_names(c10::DeviceType device) {
 
 }  // namespace
 
-bool is_first_forward(const at::Tensor& anchor) {
-  return !at::GradMode::is_enabled() && !c10::InferenceMode::is_enabled() && !inside_backward() &&
-         anchor.requires_grad();
-}
-
-bool is_recompute(const at::Tensor& anchor) {
-  return at::GradMode::is_enabled() && inside_backward() && anchor.requires_grad();
+Phase phase_of(const at::Tensor& anchor) {
+  if (!anchor.requires_grad() || c10::InferenceMode::is_enabled()) return Phase::plain;
+  bool grad = at::GradMode::is_enabled();
+  if (inside_backward()) return grad ? Phase::recompute : Phase::plain;
+  if (!grad) return Phase::first_forward;
+  // Non-reentrant checkpointing pushes saved-tensor hooks around its first forward; an
+  // ordinary differentiable call has none and stays exactly F.sdpa.
+  bool hooks = !at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
+  return hooks ? Phase::graph_forward : Phase::plain;
 }
 
 std::optional<at::Tensor> fused_attn_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query) {
@@ -59,7 +62,7 @@ at::Tensor sdpa_plain(const SdpaCall& c) {
                                           c.enable_gqa);
 }
 
-at::Tensor keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t slot) {
+at::Tensor keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t slot, bool with_graph) {
   const char* op = "sdpa_fwd_keep";
   release_freed_entries();
   check_keepable(c, op);
@@ -90,21 +93,23 @@ at::Tensor keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t slo
   entry->is_causal = c.is_causal;
   entry->scale = c.scale;
   entry->enable_gqa = c.enable_gqa;
+  entry->with_graph = with_graph;
   at::Tensor output = entry->attention.output;
   entry->output_version = static_cast<int64_t>(output._version());
   keep_entry(anchor, slot, std::move(entry), op);
   return output;
 }
 
-std::unique_ptr<KeptEntry> take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t slot) {
-  const char* op = "sdpa_replay";
-  release_freed_entries();
-  std::unique_ptr<KeptEntry> e = take_entry(anchor, slot, op);
-  // From here the entry is ours: any failure below releases it with the unique_ptr.
+namespace {
+
+// Fails unless `c` repeats the call that kept `e`. `released`: what the error says became
+// of the kept output.
+void check_same_call(const SdpaCall& c, const KeptEntry* e, bool check_backend, const char* op,
+                     const char* released) {
   auto mismatch = [&](const char* what, const std::string& kept, const std::string& now) {
     TORCH_CHECK(false, "attnstash::", op, ": the recompute's ", what, " (", now, ") differs from its first forward's (",
                 kept, "), so the kept output cannot stand in for it. The recompute must repeat the first forward's "
-                "attention call exactly; the kept output has been released.");
+                "attention call exactly; ", released, ".");
   };
   if (!(TensorMeta::of(c.query) == e->query)) mismatch("query", e->query.str(), TensorMeta::of(c.query).str());
   if (!(TensorMeta::of(c.key) == e->key)) mismatch("key", e->key.str(), TensorMeta::of(c.key).str());
@@ -120,7 +125,7 @@ std::unique_ptr<KeptEntry> take_for_replay(const SdpaCall& c, const at::Tensor& 
         TORCH_CHECK(c.attn_mask->_version() == e->mask_version, "attnstash::", op,
                     ": the attn_mask was modified in place between the first forward and its recompute (version ",
                     e->mask_version, " then, ", c.attn_mask->_version(),
-                    " now); the kept output has been released.");
+                    " now); ", released, ".");
       } else if (!at::equal(at::Tensor(std::move(first)), *c.attn_mask)) {
         mismatch("attn_mask", "other values", "same shape and dtype, different values");
       }
@@ -135,16 +140,44 @@ std::unique_ptr<KeptEntry> take_for_replay(const SdpaCall& c, const at::Tensor& 
     mismatch("arguments", flags(e->dropout_p, e->is_causal, e->scale, e->enable_gqa),
              flags(c.dropout_p, c.is_causal, c.scale, c.enable_gqa));
   }
-  int64_t choice = at::_fused_sdp_choice(c.query, c.key, c.value, c.attn_mask, c.dropout_p, c.is_causal, c.scale,
-                                         c.enable_gqa);
-  if (choice != e->attention.backend->id)
-    mismatch("SDPA backend", sdpa_backend_name(e->attention.backend->id), sdpa_backend_name(choice));
+  if (check_backend) {
+    int64_t choice = at::_fused_sdp_choice(c.query, c.key, c.value, c.attn_mask, c.dropout_p, c.is_causal, c.scale,
+                                           c.enable_gqa);
+    if (choice != e->attention.backend->id)
+      mismatch("SDPA backend", sdpa_backend_name(e->attention.backend->id), sdpa_backend_name(choice));
+  }
   TORCH_CHECK(e->attention.output._version() == e->output_version, "attnstash::", op,
               ": the attention output returned by the first forward was modified in place before its recompute, "
               "so it no longer is the attention of these inputs. Do not modify the output of "
-              "attnstash::sdpa_fwd_keep in place (copy it first); the kept output has been released.");
+              "attnstash::sdpa_fwd_keep in place (copy it first); ", released, ".");
+}
+
+}  // namespace
+
+std::unique_ptr<KeptEntry> take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t slot,
+                                           bool check_backend) {
+  const char* op = "sdpa_replay";
+  release_freed_entries();
+  std::unique_ptr<KeptEntry> e = take_entry(anchor, slot, op);
+  // The entry is ours now: a failed check releases it with the unique_ptr.
+  check_same_call(c, e.get(), check_backend, op, "the kept output has been released");
   return e;
 }
+
+at::Tensor output_for_recompute(const SdpaCall& c, const at::Tensor& anchor, int64_t slot) {
+  std::unique_ptr<KeptEntry> e = peek_entry(anchor, slot);
+  TORCH_CHECK(e && e->with_graph, "attnstash::sdpa_fwd_keep: the kept output for this anchor and slot ", slot,
+              " disappeared during its recompute (was the stash cleared from another thread?).");
+  check_same_call(c, e.get(), /*check_backend=*/true, "sdpa_fwd_keep", "the kept output is still held");
+  // A detached alias: the recompute's node must not take over the first forward's output.
+  return e->attention.output.detach();
+}
+
+bool kept_with_graph(const at::Tensor& anchor, int64_t slot) {
+  std::unique_ptr<KeptEntry> e = peek_entry(anchor, slot);
+  return e && e->with_graph;
+}
+
 
 }  // namespace attnstash
 
@@ -155,7 +188,7 @@ at::Tensor sdpa_fwd_keep_kernel(const at::Tensor& query, const at::Tensor& key, 
                                 const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
                                 double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
   SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
-  if (is_first_forward(anchor)) return keep_forward(call, anchor, slot);
+  if (phase_of(anchor) == Phase::first_forward) return keep_forward(call, anchor, slot, /*with_graph=*/false);
   return sdpa_plain(call);
 }
 

@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <map>
 #include <sstream>
 
@@ -126,10 +127,29 @@ std::unique_ptr<KeptEntry> take_entry(const at::Tensor& anchor, int64_t slot, co
   }
   TORCH_CHECK(false, "attnstash::", op, ": no attention output is kept for this anchor (shape ", anchor.sizes(),
               ", version ", key.version, ") and slot ", slot,
-              ". A recompute can only replay what its first forward kept: the first forward must run under "
-              "no_grad with an anchor that requires grad (a reentrant activation checkpoint does this). "
-              "Non-reentrant checkpointing, a cleared stash (attnstash.clear_stash()) or a second backward "
-              "through the same forward leave nothing to replay.");
+              ". A recompute can only replay what its first forward kept, and a first forward keeps only inside "
+              "an activation checkpoint (reentrant: grad off; non-reentrant: under its saved-tensor hooks) with "
+              "an anchor that requires grad. A cleared stash (attnstash.clear_stash()) or a second backward "
+              "through the same forward leave nothing to replay either.");
+}
+
+std::unique_ptr<KeptEntry> peek_entry(const at::Tensor& anchor, int64_t slot) {
+  struct Peek {
+    stash_key key;
+    const at::Tensor* anchor;
+    std::unique_ptr<KeptEntry> copy;
+  } peek{key_of(anchor, slot, "sdpa_fwd_keep"), &anchor, nullptr};
+  stash_visit(
+      registry(),
+      [](const stash_key* k, const stash_entry* e, void* ctx) {
+        auto* p = static_cast<Peek*>(ctx);
+        const auto* entry = static_cast<const KeptEntry*>(e->payload);
+        bool same_key = k->anchor == p->key.anchor && k->version == p->key.version && k->slot == p->key.slot &&
+                        k->rank == p->key.rank && std::equal(k->shape, k->shape + k->rank, p->key.shape);
+        if (same_key && same_storage(*entry, *p->anchor)) p->copy = std::make_unique<KeptEntry>(*entry);
+      },
+      &peek);
+  return std::move(peek.copy);
 }
 
 void release_freed_entries() {

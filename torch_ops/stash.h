@@ -39,6 +39,7 @@ struct KeptEntry {
   std::optional<double> scale;
   bool enable_gqa = false;
   int64_t output_version = 0;  // to detect an in-place change of the returned output
+  bool with_graph = false;     // kept behind a node of its forward's graph (non-reentrant)
   // Note: the anchor's storage, held weakly. A freed anchor's address can be reused by
   // a new tensor with the same version and shape; comparing storages (whose objects a
   // weak reference keeps from being reused) tells the two apart.
@@ -52,6 +53,9 @@ void keep_entry(const at::Tensor& anchor, int64_t slot, std::unique_ptr<KeptEntr
 
 // Remove and return the entry for (anchor, slot). Throws a diagnosis if there is none.
 std::unique_ptr<KeptEntry> take_entry(const at::Tensor& anchor, int64_t slot, const char* op);
+
+// A copy of the entry held for (anchor, slot), which stays held; nullptr if none.
+std::unique_ptr<KeptEntry> peek_entry(const at::Tensor& anchor, int64_t slot);
 
 // Release every entry whose anchor storage has been freed. Called by both ops on entry.
 void release_freed_entries();

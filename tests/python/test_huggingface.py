@@ -247,22 +247,37 @@ def test_training_without_checkpointing_fails(installed):
     assert "decoder layer 2" in msg and "without activation checkpointing" in msg and "use_reentrant" in msg
 
 
-def test_non_reentrant_checkpointing_fails(installed):
-    model = tiny_model("llama")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    installed(model, 1)
-    msg = run_error(model)
-    assert "decoder layer 2" in msg and "non-reentrant" in msg
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("offload", [False, True], ids=["non-reentrant", "non-reentrant+offload"])
+def test_non_reentrant_checkpointing_gives_the_normal_recompute_bitwise(arch, offload, installed):
+    # offload: what gradient_checkpointing_enable(offload=True) wraps the checkpoint in
+    # (transformers 5 asks for pinned memory, which needs an accelerator, so by hand here).
+    base = tiny_model(arch)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = batch()
+
+    def step(model):
+        if not offload:
+            return loss_and_grads(model, ids)
+        with torch.autograd.graph.save_on_cpu():
+            return loss_and_grads(model, ids)
+
+    reference = step(clone(base))
+    model = clone(base)
+    installed(model, 3)
+    keeps, replays = counters()
+    assert_bitwise_equal(step(model), reference)
+    assert counters() == (keeps + 3, replays + 3)
+    assert attnstash.stash_stats()["entries"] == 0
 
 
-def test_offloaded_checkpointing_fails(installed):
-    # What gradient_checkpointing_enable(offload=True) wraps the checkpoint in (transformers 5
-    # asks for pinned memory, which needs an accelerator, so it is set up by hand here).
+def test_reentrant_offloaded_checkpointing_fails(installed):
+    # save_on_cpu would hand the reentrant recompute a copy of the layer input.
     model = tiny_model("llama")
     installed(model, 1)
     with torch.autograd.graph.save_on_cpu():
         msg = run_error(model)
-    assert "decoder layer 2" in msg and "offload" in msg
+    assert "decoder layer 2" in msg and "offload" in msg and "use_reentrant=False" in msg
     assert attnstash.stash_stats()["entries"] == 0
 
 

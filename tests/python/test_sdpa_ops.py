@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import attnstash
@@ -186,14 +187,81 @@ def test_replay_with_nothing_kept_fails_clearly():
     assert attnstash.stash_stats()["misses"] == misses + 1
 
 
-def test_recompute_with_nothing_kept_fails_instead_of_recomputing():
-    # Non-reentrant checkpointing keeps nothing (its first forward runs with grad on); its
-    # recompute must fail rather than silently run attention again.
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_cleared_stash_fails_the_recompute_instead_of_recomputing(reentrant):
     block = Block(64, 4, 4, 64, torch.float32, True, use_stash=True)
     x = torch.randn(2, 24, 64, requires_grad=True)
-    y = checkpoint(block, x, use_reentrant=False)
+    y = checkpoint(block, x, use_reentrant=reentrant)
+    assert attnstash.clear_stash() == 1
     msg = error_of(lambda: y.sum().backward())
-    assert "no attention output is kept" in msg and "Non-reentrant" in msg
+    assert "no attention output is kept" in msg and "clear_stash" in msg
+
+
+class CountAttentionForwards(TorchDispatchMode):
+    """Counts calls of the CPU flash attention forward (aten level) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_the_backward_never_runs_the_attention_forward_again(reentrant):
+    counts = {}
+    for use_stash in (False, True):
+        torch.manual_seed(0)
+        block = Block(64, 8, 2, 64, torch.float32, True, use_stash)
+        x = torch.randn(2, 40, 64, requires_grad=True)
+        y = checkpoint(block, x, use_reentrant=reentrant)
+        with CountAttentionForwards() as count:
+            y.square().mean().backward()
+        counts[use_stash] = count.calls
+    assert counts == {False: 1, True: 0}
+
+
+def checkpointed_step_non_reentrant(dtype, hq, hkv, d, causal, use_stash):
+    torch.manual_seed(0)
+    block = Block(64, hq, hkv, d, dtype, causal, use_stash)
+    x = torch.randn(2, 40, 64, dtype=dtype, requires_grad=True)
+    y = checkpoint(block, x, use_reentrant=False)
+    held = attnstash.stash_stats()["entries"]
+    loss = y.float().square().mean()
+    loss.backward()
+    return loss.detach(), [x.grad] + [p.grad for p in block.parameters()], held
+
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,causal", CASES[::3], ids=CASE_IDS[::3])
+def test_non_reentrant_checkpoint_gradients_are_bitwise_the_normal_recompute(dtype, hq, hkv, d, causal):
+    base_loss, base_grads, _ = checkpointed_step_non_reentrant(dtype, hq, hkv, d, causal, False)
+    before = attnstash.stash_stats()
+    loss, grads, held = checkpointed_step_non_reentrant(dtype, hq, hkv, d, causal, True)
+    after = attnstash.stash_stats()
+    assert held == 1
+    assert torch.equal(loss, base_loss) and all(torch.equal(a, b) for a, b in zip(grads, base_grads))
+    assert after["keeps"] - before["keeps"] == 1 and after["replays"] - before["replays"] == 1
+    assert after["entries"] == 0
+
+
+def test_saved_tensor_hooks_without_a_checkpoint_keep_behind_the_node_and_match_autograd():
+    # Under save_on_cpu (saved-tensor hooks, no checkpoint) a grad-mode call keeps its output
+    # and log-sum-exp behind its own node: the same numbers as F.sdpa's autograd.
+    torch.manual_seed(0)
+    q, k, v = (t.detach().requires_grad_() for t in qkv(torch.float32, 8, 2, 64))
+    anchor = anchor_for(q)
+    with torch.autograd.graph.save_on_cpu():
+        out = ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True, enable_gqa=True)
+    assert attnstash.stash_stats()["entries"] == 1
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), g)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert torch.equal(out, ref)
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(ref, (q, k, v), g)))
+    assert attnstash.stash_stats()["entries"] == 0
 
 
 def test_anchor_modified_in_place_is_reported_as_a_version_change():
