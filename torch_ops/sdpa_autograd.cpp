@@ -12,6 +12,11 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// FakeTensor and FunctionalTensor (torch.compile's tracing) have no data to look up.
+bool traced(const at::Tensor& t) {
+  return t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+}
+
 c10::OperatorHandle op_named(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
@@ -127,12 +132,19 @@ at::Tensor sdpa_fwd_keep_autograd(const at::Tensor& query, const at::Tensor& key
                                   double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
   switch (phase_of(anchor)) {
     case Phase::recompute:
-      if (kept_with_graph(anchor, slot))  // a non-reentrant recompute: refill, keep holding
+      // Traced (torch.compile), the reentrant replay is the one that can be: both its
+      // halves are ops. A non-reentrant recompute under torch.compile is refused below.
+      if (!traced(anchor) && kept_with_graph(anchor, slot))  // non-reentrant: refill, keep holding
         return KeptGraphFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
                                         enable_gqa, /*recompute=*/true);
       return sdpa_replay_autograd(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
                                   enable_gqa);
     case Phase::graph_forward:
+      TORCH_CHECK(!traced(query) && !traced(anchor),
+                  "attnstash::sdpa_fwd_keep: torch.compile is tracing the activation checkpoint itself (it turns "
+                  "torch.utils.checkpoint, reentrant or not, into its own recomputation), where nothing can be "
+                  "kept. Compile the checkpointed function and checkpoint the compiled one: "
+                  "checkpoint(torch.compile(block), x, use_reentrant=True).");
       return KeptGraphFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
                                       enable_gqa, /*recompute=*/false);
     case Phase::plain:
