@@ -15,7 +15,8 @@ TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.17.0
 HF4_VENV ?= .venv-hf4
 HF4_TRANSFORMERS ?= transformers==4.57.6
-REQUIREMENTS = $(TORCH) $(TRANSFORMERS) numpy pytest tqdm matplotlib psutil setuptools==80.9.0 wheel==0.45.1
+REQUIREMENTS = $(TORCH) $(TRANSFORMERS) numpy pytest tqdm matplotlib psutil peft==0.21.2 accelerate==1.15.0 \
+  setuptools==80.9.0 wheel==0.45.1
 PYTHON ?= $(VENV)/bin/python
 BUILD_DIR ?= build/$(notdir $(VENV))
 PYTEST_ARGS ?=
