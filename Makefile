@@ -1,8 +1,10 @@
 # attnstash: every command a developer or CI needs. Each target does its own set-up.
 #
+#   make demo       the main job: fine-tune a small decoder without and with the stash
 #   make test       venv + build + GoogleTest (ctest) + pytest, and the Hugging Face
 #                   tests again under transformers 4.57 (a second venv, same torch)
 #   make sanitize   the C registry suite under ASan+UBSan, and under TSan
+#   make bench      python -m attnstash.bench (BENCH_ARGS="--mode layer", "--mode soak", ...)
 #   make build      only (re)build attnstash/_C into the venv
 #
 # Another torch: make test TORCH=torch==2.14.1 VENV=.venv-214
@@ -15,14 +17,14 @@ TORCH ?= torch==2.13.0
 TRANSFORMERS ?= transformers==5.17.0
 HF4_VENV ?= .venv-hf4
 HF4_TRANSFORMERS ?= transformers==4.57.6
-REQUIREMENTS = $(TORCH) $(TRANSFORMERS) numpy pytest tqdm matplotlib psutil peft==0.21.2 accelerate==1.15.0 \
+REQUIREMENTS = $(TORCH) $(TRANSFORMERS) numpy pytest tqdm matplotlib psutil peft==0.21.2 accelerate==1.15.0 deepspeed==0.19.8 \
   setuptools==80.9.0 wheel==0.45.1
 PYTHON ?= $(VENV)/bin/python
 BUILD_DIR ?= build/$(notdir $(VENV))
 PYTEST_ARGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all venv gtest build test test-cpp test-python test-hf4 sanitize clean
+.PHONY: all venv gtest build demo bench test test-cpp test-python test-hf4 sanitize clean
 all: test
 
 venv:
@@ -49,6 +51,15 @@ gtest:
 build: venv gtest
 	ATTNSTASH_BUILD_DIR=$(abspath $(BUILD_DIR)) ATTNSTASH_BUILD_TESTS=1 CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
 	  $(PYTHON) -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
+
+# The main job: fine-tune a small decoder twice, without and with the stash (about a minute).
+DEMO_ARGS ?=
+demo: build
+	$(PYTHON) examples/demo.py $(DEMO_ARGS)
+
+BENCH_ARGS ?=
+bench: build
+	$(PYTHON) -m attnstash.bench $(BENCH_ARGS)
 
 test-cpp: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)

@@ -90,7 +90,7 @@ struct KeptGraphFunction : public torch::autograd::Function<KeptGraphFunction> {
     SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
     at::Tensor output = recompute ? output_for_recompute(call, anchor, slot)
                                   : keep_forward(call, anchor, slot, /*with_graph=*/true);
-    ctx->save_for_backward({query, key, value, fused_attn_mask(attn_mask, query).value_or(at::Tensor())});
+    ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor())});
     ctx->saved_data["anchor"] = anchor.detach();  // the key to take in backward (not checkpointed)
     ctx->saved_data["slot"] = slot;
     ctx->saved_data["dropout_p"] = dropout_p;
@@ -111,12 +111,15 @@ struct KeptGraphFunction : public torch::autograd::Function<KeptGraphFunction> {
     SdpaCall call{saved[0], saved[1], saved[2], mask, ctx->saved_data["dropout_p"].toDouble(),
                   ctx->saved_data["is_causal"].toBool(), ctx->saved_data["scale"].toOptional<double>(),
                   ctx->saved_data["enable_gqa"].toBool()};
-    // The check runs on the mask as the fused op saw it, which is what was saved. The
+    // Checked against the caller's mask; the backend gets it as the fused op got it. The
     // backend is this forward's own, whatever sdpa_kernel context the backward runs in.
     std::unique_ptr<KeptEntry> entry = take_for_replay(call, ctx->saved_data["anchor"].toTensor(),
                                                        ctx->saved_data["slot"].toInt(), /*check_backend=*/false);
     const KeptAttention& kept = entry->attention;
-    std::tie(grad_inputs[0], grad_inputs[1], grad_inputs[2]) = kept.backend->backward(grad, call, kept);
+    std::optional<at::Tensor> fused = fused_attn_mask(mask, call.query);
+    SdpaCall fused_call{call.query, call.key, call.value, fused, call.dropout_p, call.is_causal, call.scale,
+                        call.enable_gqa};
+    std::tie(grad_inputs[0], grad_inputs[1], grad_inputs[2]) = kept.backend->backward(grad, fused_call, kept);
     return grad_inputs;
   }
 };

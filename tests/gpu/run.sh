@@ -6,7 +6,9 @@
 #
 # It builds attnstash against that torch (CMake only: no pip, no GoogleTest), prints
 # the versions and the SDPA backend torch picks for the Qwen3-30B-A3B attention shape,
-# runs the whole pytest suite (GPU tests included), then the benchmark. Each stage is
+# runs the whole pytest suite (GPU tests included: every kept backend with and without
+# masks), then the benchmark in model and layer mode (JSON and PNG under $OUT). About
+# 6 minutes on an H200 after the machine starts. Each stage is
 # time-boxed and a failing stage does not stop the later ones; the exit status says
 # whether any failed.
 set -uo pipefail
@@ -48,9 +50,10 @@ for grad in (False, True):
           SDPBackend(choice).name)
 PY
 stage pytest 300 $PY -m pytest tests/python -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml"
-if [ -f attnstash/bench.py ]; then
-  stage bench 240 $PY -m attnstash.bench --preset qwen3-30b-a3b --device cuda --out "$OUT"
-fi
+# The Qwen3-30B-A3B attention shape: a 4-layer model (step time, memory, efficiency,
+# the SAC peer), then one decoder-layer recompute with and without the stash.
+stage bench 240 $PY -m attnstash.bench --preset qwen3-30b-a3b --device cuda --out "$OUT"
+stage bench-layer 120 $PY -m attnstash.bench --mode layer --preset qwen3-30b-a3b --device cuda --out "$OUT"
 
 echo "=== failed stages: ${failed[*]:-none}"
 ((${#failed[@]} == 0))

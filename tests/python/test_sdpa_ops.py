@@ -141,6 +141,23 @@ def test_reentrant_checkpoint_gradients_are_bitwise_the_normal_recompute(dtype, 
     assert after["entries"] == 0 and after["bytes"] == 0
 
 
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_an_explicit_scale_reaches_the_forward_and_the_backward(scale):
+    torch.manual_seed(0)
+    q, k, v = qkv(torch.float32, 8, 2, 64)
+    anchor = anchor_for(q)
+    with torch.no_grad():
+        kept = ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True, scale=scale, enable_gqa=True)
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    replayed = ops.sdpa_replay(qr, kr, vr, anchor, 0, is_causal=True, scale=scale, enable_gqa=True)
+    g = torch.randn_like(replayed)
+    got = torch.autograd.grad(replayed, (qr, kr, vr), g)
+    qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(qa, ka, va, is_causal=True, scale=scale, enable_gqa=True)
+    assert torch.equal(kept, ref)
+    assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(ref, (qa, ka, va), g)))
+
+
 def test_kept_bytes_are_output_plus_logsumexp():
     torch.manual_seed(0)
     q, k, v = qkv(torch.bfloat16, 8, 2, 64, batch=2, seq=48)
@@ -154,8 +171,9 @@ def test_kept_bytes_are_output_plus_logsumexp():
     assert held == output + lse
 
 
-def test_the_recompute_takes_its_own_forward():
-    # Two forwards through the same slot on different anchors, recomputed in reverse
+@pytest.mark.parametrize("order", ["reverse", "forward"])
+def test_the_recompute_takes_its_own_forward(order):
+    # Two forwards through the same slot on different anchors, recomputed in either
     # order: each backward must get its own forward's attention.
     torch.manual_seed(0)
     block = Block(64, 4, 4, 64, torch.float32, True, use_stash=True)
@@ -164,7 +182,8 @@ def test_the_recompute_takes_its_own_forward():
     xs = [torch.randn(2, 24, 64, requires_grad=True) for _ in range(2)]
     ys = [checkpoint(block, x, use_reentrant=True) for x in xs]
     assert attnstash.stash_stats()["entries"] == 2
-    for x, y in reversed(list(zip(xs, ys))):
+    pairs = list(zip(xs, ys))
+    for x, y in (reversed(pairs) if order == "reverse" else pairs):
         y.square().sum().backward()
     for x in xs:
         x_ref = x.detach().clone().requires_grad_()
@@ -245,6 +264,33 @@ def test_non_reentrant_checkpoint_gradients_are_bitwise_the_normal_recompute(dty
     assert torch.equal(loss, base_loss) and all(torch.equal(a, b) for a, b in zip(grads, base_grads))
     assert after["keeps"] - before["keeps"] == 1 and after["replays"] - before["replays"] == 1
     assert after["entries"] == 0
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_non_reentrant_checkpoint_with_a_padding_mask_is_bitwise_the_normal_recompute(kind):
+    def step(use_stash):
+        torch.manual_seed(0)
+        block = Block(64, 4, 4, 64, torch.float32, False, use_stash)
+        mask = padding_mask(2, 40, kind, torch.float32)
+        forward = block.forward
+
+        def masked(x):  # the block's attention with the mask
+            b, s, _ = x.shape
+            q = block.q(x).view(b, s, 4, 64).transpose(1, 2)
+            k = block.k(x).view(b, s, 4, 64).transpose(1, 2)
+            v = block.v(x).view(b, s, 4, 64).transpose(1, 2)
+            if use_stash:
+                a = ops.sdpa_fwd_keep(q, k, v, x, 0, mask)
+            else:
+                a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return x + block.o(a.transpose(1, 2).reshape(b, s, -1))
+
+        assert forward  # the plain block's weights, with masked attention
+        x = torch.randn(2, 40, 64, requires_grad=True)
+        checkpoint(masked, x, use_reentrant=False).square().mean().backward()
+        return [x.grad] + [p.grad for p in block.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(step(True), step(False)))
 
 
 def test_saved_tensor_hooks_without_a_checkpoint_keep_behind_the_node_and_match_autograd():
