@@ -220,11 +220,25 @@ def random_batch(shape, seed=1):
     return torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g).to(shape.device)
 
 
-def training_step(model, input_ids, after_forward=None):
+def padding_mask(shape, pad):
+    """attention_mask [batch, seq] (1 = token, 0 = padding) for a padded batch: row i is
+    left-padded by i/(batch-1) * pad * seq tokens, so the rows have different lengths and
+    the first has none. None when pad is 0 (then Hugging Face builds no mask)."""
+    if not pad:
+        return None
+    mask = torch.ones(shape.batch, shape.seq, dtype=torch.long)
+    for row in range(1, shape.batch):
+        mask[row, : round(pad * shape.seq * row / max(1, shape.batch - 1))] = 0
+    return mask.to(shape.device)
+
+
+def training_step(model, input_ids, after_forward=None, attention_mask=None):
     """Forward and backward of one micro-batch; input_ids [batch, seq] are also the labels
-    (Hugging Face shifts them). after_forward() runs between the two (the stash holds its
-    entries then). Returns the loss, detached. No optimizer step."""
-    loss = model(input_ids=input_ids, labels=input_ids).loss
+    (Hugging Face shifts them; padding, where attention_mask is 0, is not scored).
+    after_forward() runs between the two (the stash holds its entries then). Returns the
+    loss, detached. No optimizer step."""
+    labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
+    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
     if after_forward is not None:
         after_forward()
     loss.backward()
@@ -502,8 +516,9 @@ class ModelConfig:
     kind: "none", "reentrant", "wrapped", "stash", "sac", "non-reentrant" or "stash-nr" (the
     stash under non-reentrant checkpointing); stash_layers: k for "stash" and "stash-nr"."""
 
-    def __init__(self, name, kind, model, input_ids, stash_layers=0, wrapper_host=None):
+    def __init__(self, name, kind, model, input_ids, stash_layers=0, wrapper_host=None, attention_mask=None):
         self.name, self.kind, self.model, self.input_ids = name, kind, model, input_ids
+        self.attention_mask = attention_mask
         self.stash_layers, self.wrapper_host = stash_layers, wrapper_host
         self.losses = []  # every step's loss
         self.runner = Runner(name, self.step, self.setup, self.teardown)
@@ -524,7 +539,7 @@ class ModelConfig:
             attnstash.uninstall_attention_stash(self.wrapper_host)
 
     def step(self, after_forward=None):
-        loss = training_step(self.model, self.input_ids, after_forward)
+        loss = training_step(self.model, self.input_ids, after_forward, self.attention_mask)
         self.losses.append(loss)
         return loss
 
@@ -600,16 +615,18 @@ def run_model_mode(shape, args, out_dir):
     t0 = time.perf_counter()
     base = build_model(shape, seed=args.seed)
     input_ids = random_batch(shape, seed=args.seed + 1)
+    mask = padding_mask(shape, args.pad)
     host = build_model(make_shape("tiny", layers=1, hidden=16, heads=2, kv_heads=1, head_dim=8, vocab=16, seq=8,
                                   device="cpu", dtype="float32"))
-    configs = [ModelConfig("no checkpointing", "none", copy.deepcopy(base), input_ids),
-               ModelConfig("reentrant", "reentrant", copy.deepcopy(base), input_ids),
-               ModelConfig("reentrant, wrapped", "wrapped", copy.deepcopy(base), input_ids, wrapper_host=host)]
-    configs += [ModelConfig(f"stash {k}", "stash", copy.deepcopy(base), input_ids, stash_layers=k) for k in points]
-    configs.append(ModelConfig("SAC (non-reentrant)", "sac", copy.deepcopy(base), input_ids))
-    configs.append(ModelConfig("non-reentrant", "non-reentrant", copy.deepcopy(base), input_ids))
-    configs.append(ModelConfig(f"non-reentrant, stash {shape.layers}", "stash-nr", copy.deepcopy(base), input_ids,
-                               stash_layers=shape.layers))
+
+    def config(name, kind, **kwargs):  # each configuration gets its own copy of the model
+        return ModelConfig(name, kind, copy.deepcopy(base), input_ids, attention_mask=mask, **kwargs)
+
+    configs = [config("no checkpointing", "none"), config("reentrant", "reentrant"),
+               config("reentrant, wrapped", "wrapped", wrapper_host=host)]
+    configs += [config(f"stash {k}", "stash", stash_layers=k) for k in points]
+    configs += [config("SAC (non-reentrant)", "sac"), config("non-reentrant", "non-reentrant"),
+                config(f"non-reentrant, stash {shape.layers}", "stash-nr", stash_layers=shape.layers)]
     del base
     baseline = configs[1]
 
@@ -663,7 +680,7 @@ def run_model_mode(shape, args, out_dir):
         rows.append(row)
     wrapped = next(r for r in rows if r["kind"] == "wrapped")
     report = {
-        "mode": "model", "preset": args.preset, "shape": dataclasses.asdict(shape),
+        "mode": "model", "preset": args.preset, "shape": dataclasses.asdict(shape), "pad": args.pad,
         "environment": environment(shape, torch.get_num_threads()), "sdpa_backend": backend,
         "rounds": {"warmup": args.warmup, "repeats": args.repeats},
         "attention_forward_ms": {"times_ms": attention.times_ms, "median_ms": t_attn},
@@ -972,6 +989,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="CPU intra-op threads (default 1 on CPU: on a small shared machine more threads make "
                         "timings erratic; 0 keeps torch's default)")
+    p.add_argument("--pad", type=float, default=0.0,
+                   help="model mode: padded batches, rows left-padded by up to this fraction of seq (e.g. 0.25)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/bench", help="directory for the JSON and PNG ('' to write nothing)")
     args = p.parse_args(argv)

@@ -149,3 +149,15 @@ def test_the_demo_tokenizer_round_trips_bytes():
     tok = load_demo().ByteTokenizer()
     text = "Low water, ferry — 7 passengers"
     assert tok.decode(tok.encode(text)) == text and max(tok.encode(text)) < tok.vocab_size
+
+
+def test_model_mode_runs_padded_batches_with_equal_losses(tmp_path):
+    report = bench.main(["--preset", "tiny", "--layers", "2", "--repeats", "1", "--warmup", "0", "--pad", "0.25",
+                         "--stash-points", "2", "--out", str(tmp_path)])
+    assert report["pad"] == 0.25
+    assert report["losses_equal"]
+    for config in report["configs"]:
+        assert config["check"]["grads_equal"], config["name"]
+        if config["kind"] in ("stash", "stash-nr"):
+            assert config["check"]["replays"] == 2
+    assert stash_is_uninstalled()

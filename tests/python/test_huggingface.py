@@ -249,18 +249,22 @@ def test_training_without_checkpointing_fails(installed):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("offload", [False, True], ids=["non-reentrant", "non-reentrant+offload"])
-def test_non_reentrant_checkpointing_gives_the_normal_recompute_bitwise(arch, offload, installed):
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_non_reentrant_checkpointing_gives_the_normal_recompute_bitwise(arch, offload, padded, installed):
     # offload: what gradient_checkpointing_enable(offload=True) wraps the checkpoint in
     # (transformers 5 asks for pinned memory, which needs an accelerator, so by hand here).
     base = tiny_model(arch)
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = batch()
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :7] = 0
 
     def step(model):
         if not offload:
-            return loss_and_grads(model, ids)
+            return loss_and_grads(model, ids, attention_mask=mask)
         with torch.autograd.graph.save_on_cpu():
-            return loss_and_grads(model, ids)
+            return loss_and_grads(model, ids, attention_mask=mask)
 
     reference = step(clone(base))
     model = clone(base)
