@@ -17,6 +17,22 @@ bool traced(const at::Tensor& t) {
   return t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
 }
 
+// The call's flags travel to backward in saved_data; the tensors in saved variables.
+void save_flags(AutogradContext* ctx, double dropout_p, bool is_causal, std::optional<double> scale,
+                bool enable_gqa) {
+  ctx->saved_data["dropout_p"] = dropout_p;
+  ctx->saved_data["is_causal"] = is_causal;
+  ctx->saved_data["scale"] = scale;
+  ctx->saved_data["enable_gqa"] = enable_gqa;
+}
+
+SdpaCall saved_call(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                    const std::optional<at::Tensor>& attn_mask) {
+  return SdpaCall{query, key, value, attn_mask, ctx->saved_data["dropout_p"].toDouble(),
+                  ctx->saved_data["is_causal"].toBool(), ctx->saved_data["scale"].toOptional<double>(),
+                  ctx->saved_data["enable_gqa"].toBool()};
+}
+
 c10::OperatorHandle op_named(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
@@ -46,10 +62,7 @@ struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
     variable_list saved = {query, key, value, mask, output, logsumexp, info};
     saved.insert(saved.end(), extra.begin(), extra.end());
     ctx->save_for_backward(saved);
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["enable_gqa"] = enable_gqa;
+    save_flags(ctx, dropout_p, is_causal, scale, enable_gqa);
     ctx->set_materialize_grads(false);
     return output;
   }
@@ -68,10 +81,10 @@ struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
     std::optional<at::Tensor> mask;
     if (saved[3].defined()) mask = saved[3];
     std::vector<at::Tensor> extra(saved.begin() + 7, saved.end());
-    std::tie(grad_inputs[0], grad_inputs[1], grad_inputs[2]) = backward_op.call(
-        grad, saved[0], saved[1], saved[2], mask, saved[4], saved[5], saved[6], extra,
-        ctx->saved_data["dropout_p"].toDouble(), ctx->saved_data["is_causal"].toBool(),
-        ctx->saved_data["scale"].toOptional<double>(), ctx->saved_data["enable_gqa"].toBool());
+    SdpaCall c = saved_call(ctx, saved[0], saved[1], saved[2], mask);
+    std::tie(grad_inputs[0], grad_inputs[1], grad_inputs[2]) =
+        backward_op.call(grad, c.query, c.key, c.value, c.attn_mask, saved[4], saved[5], saved[6], extra, c.dropout_p,
+                         c.is_causal, c.scale, c.enable_gqa);
     return grad_inputs;
   }
 };
@@ -93,10 +106,7 @@ struct KeptGraphFunction : public torch::autograd::Function<KeptGraphFunction> {
     ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor())});
     ctx->saved_data["anchor"] = anchor.detach();  // the key to take in backward (not checkpointed)
     ctx->saved_data["slot"] = slot;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->saved_data["is_causal"] = is_causal;
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["enable_gqa"] = enable_gqa;
+    save_flags(ctx, dropout_p, is_causal, scale, enable_gqa);
     ctx->set_materialize_grads(false);
     return output;
   }
@@ -108,9 +118,7 @@ struct KeptGraphFunction : public torch::autograd::Function<KeptGraphFunction> {
     variable_list saved = ctx->get_saved_variables();
     std::optional<at::Tensor> mask;
     if (saved[3].defined()) mask = saved[3];
-    SdpaCall call{saved[0], saved[1], saved[2], mask, ctx->saved_data["dropout_p"].toDouble(),
-                  ctx->saved_data["is_causal"].toBool(), ctx->saved_data["scale"].toOptional<double>(),
-                  ctx->saved_data["enable_gqa"].toBool()};
+    SdpaCall call = saved_call(ctx, saved[0], saved[1], saved[2], mask);
     // Checked against the caller's mask; the backend gets it as the fused op got it. The
     // backend is this forward's own, whatever sdpa_kernel context the backward runs in.
     std::unique_ptr<KeptEntry> entry = take_for_replay(call, ctx->saved_data["anchor"].toTensor(),

@@ -38,6 +38,19 @@ def counters():
     return s["keeps"], s["replays"]
 
 
+def assert_stash_gives_the_normal_recompute(base, step, installed, stashed=3):
+    """step(model) -> (loss, grads) on a copy of `base` with the stash on its last `stashed`
+    layers is bitwise step's result without it; each stashed layer keeps and replays once;
+    nothing is held after."""
+    reference = step(clone(base))
+    model = clone(base)
+    installed(model, stashed)
+    keeps, replays = counters()
+    assert_bitwise_equal(step(model), reference)
+    assert counters() == (keeps + stashed, replays + stashed)
+    assert attnstash.stash_stats()["entries"] == 0 and attnstash.stash_stats()["bytes"] == 0
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("stashed", [1, 2, 3])
 def test_loss_and_every_gradient_equal_the_normal_recompute(arch, stashed, installed):
@@ -87,14 +100,8 @@ def test_padded_batches_give_the_normal_recompute_bitwise(arch, side, installed)
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
-    reference = step(clone(base))
-    assert_bitwise_equal(reference, step(clone(base)))
-    model = clone(base)
-    installed(model, 3)
-    keeps, replays = counters()
-    assert_bitwise_equal(step(model), reference)
-    assert counters() == (keeps + 3, replays + 3)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert_bitwise_equal(step(clone(base)), step(clone(base)))  # the baseline is bitwise reproducible
+    assert_stash_gives_the_normal_recompute(base, step, installed)
 
 
 def test_two_forwards_then_backwards_in_reverse_order_take_their_own_outputs(installed):
@@ -266,13 +273,7 @@ def test_non_reentrant_checkpointing_gives_the_normal_recompute_bitwise(arch, of
         with torch.autograd.graph.save_on_cpu():
             return loss_and_grads(model, ids, attention_mask=mask)
 
-    reference = step(clone(base))
-    model = clone(base)
-    installed(model, 3)
-    keeps, replays = counters()
-    assert_bitwise_equal(step(model), reference)
-    assert counters() == (keeps + 3, replays + 3)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert_stash_gives_the_normal_recompute(base, step, installed)
 
 
 def test_reentrant_offloaded_checkpointing_fails(installed):
