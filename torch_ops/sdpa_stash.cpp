@@ -165,7 +165,8 @@ std::unique_ptr<KeptEntry> take_for_replay(const SdpaCall& c, const at::Tensor& 
 }
 
 at::Tensor output_for_recompute(const SdpaCall& c, const at::Tensor& anchor, int64_t slot) {
-  std::unique_ptr<KeptEntry> e = peek_entry(anchor, slot);
+  std::unique_ptr<KeptEntry> e;  // a copy, checked outside the registry's lock
+  read_entry(anchor, slot, [&](const KeptEntry& kept) { e = std::make_unique<KeptEntry>(kept); });
   TORCH_CHECK(e && e->with_graph, "attnstash::sdpa_fwd_keep: the kept output for this anchor and slot ", slot,
               " disappeared during its recompute (was the stash cleared from another thread?).");
   check_same_call(c, e.get(), /*check_backend=*/true, "sdpa_fwd_keep", "the kept output is still held");
@@ -174,10 +175,10 @@ at::Tensor output_for_recompute(const SdpaCall& c, const at::Tensor& anchor, int
 }
 
 bool kept_with_graph(const at::Tensor& anchor, int64_t slot) {
-  std::unique_ptr<KeptEntry> e = peek_entry(anchor, slot);
-  return e && e->with_graph;
+  bool with_graph = false;
+  read_entry(anchor, slot, [&](const KeptEntry& kept) { with_graph = kept.with_graph; });
+  return with_graph;
 }
-
 
 }  // namespace attnstash
 

@@ -133,23 +133,27 @@ std::unique_ptr<KeptEntry> take_entry(const at::Tensor& anchor, int64_t slot, co
               "through the same forward leave nothing to replay either.");
 }
 
-std::unique_ptr<KeptEntry> peek_entry(const at::Tensor& anchor, int64_t slot) {
-  struct Peek {
+bool read_entry(const at::Tensor& anchor, int64_t slot, const std::function<void(const KeptEntry&)>& read) {
+  struct Find {
     stash_key key;
     const at::Tensor* anchor;
-    std::unique_ptr<KeptEntry> copy;
-  } peek{key_of(anchor, slot, "sdpa_fwd_keep"), &anchor, nullptr};
+    const std::function<void(const KeptEntry&)>* read;
+    bool found;
+  } find{key_of(anchor, slot, "sdpa_fwd_keep"), &anchor, &read, false};
   stash_visit(
       registry(),
       [](const stash_key* k, const stash_entry* e, void* ctx) {
-        auto* p = static_cast<Peek*>(ctx);
+        auto* f = static_cast<Find*>(ctx);
         const auto* entry = static_cast<const KeptEntry*>(e->payload);
-        bool same_key = k->anchor == p->key.anchor && k->version == p->key.version && k->slot == p->key.slot &&
-                        k->rank == p->key.rank && std::equal(k->shape, k->shape + k->rank, p->key.shape);
-        if (same_key && same_storage(*entry, *p->anchor)) p->copy = std::make_unique<KeptEntry>(*entry);
+        bool same_key = k->anchor == f->key.anchor && k->version == f->key.version && k->slot == f->key.slot &&
+                        k->rank == f->key.rank && std::equal(k->shape, k->shape + k->rank, f->key.shape);
+        if (same_key && same_storage(*entry, *f->anchor)) {
+          (*f->read)(*entry);
+          f->found = true;
+        }
       },
-      &peek);
-  return std::move(peek.copy);
+      &find);
+  return find.found;
 }
 
 void release_freed_entries() {

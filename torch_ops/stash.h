@@ -8,6 +8,7 @@
 #include <c10/core/UndefinedTensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -54,8 +55,9 @@ void keep_entry(const at::Tensor& anchor, int64_t slot, std::unique_ptr<KeptEntr
 // Remove and return the entry for (anchor, slot). Throws a diagnosis if there is none.
 std::unique_ptr<KeptEntry> take_entry(const at::Tensor& anchor, int64_t slot, const char* op);
 
-// A copy of the entry held for (anchor, slot), which stays held; nullptr if none.
-std::unique_ptr<KeptEntry> peek_entry(const at::Tensor& anchor, int64_t slot);
+// Calls `read` on the entry held for (anchor, slot), which stays held, under the
+// registry's lock (so `read` must not call the stash); false if there is none.
+bool read_entry(const at::Tensor& anchor, int64_t slot, const std::function<void(const KeptEntry&)>& read);
 
 // Release every entry whose anchor storage has been freed. Called by both ops on entry.
 void release_freed_entries();
