@@ -276,6 +276,18 @@ void stash_registry_destroy(stash_registry *registry) {
   free(registry);
 }
 
+stash_status stash_peek(stash_registry *registry, const stash_key *key, stash_visit_fn visitor, void *context) {
+  if (registry == NULL || visitor == NULL) return STASH_ERR_ARGUMENT;
+  stash_status status = check_key(key);
+  if (status != STASH_OK) return status;
+
+  pthread_mutex_lock(&registry->mutex);
+  const stash_node *node = *find_link(registry, key);
+  if (node != NULL) visitor(&node->key, &node->entry, context);
+  pthread_mutex_unlock(&registry->mutex);
+  return node != NULL ? STASH_OK : STASH_ERR_MISSING;
+}
+
 stash_status stash_visit(stash_registry *registry, stash_visit_fn visitor, void *context) {
   if (registry == NULL || visitor == NULL) return STASH_ERR_ARGUMENT;
   pthread_mutex_lock(&registry->mutex);

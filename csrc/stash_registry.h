@@ -98,6 +98,10 @@ stash_status stash_clear(stash_registry *registry, size_t *released);
 typedef void (*stash_visit_fn)(const stash_key *key, const stash_entry *entry, void *context);
 stash_status stash_visit(stash_registry *registry, stash_visit_fn visitor, void *context);
 
+/* Call `visitor` on the entry under `key`, which stays held; STASH_ERR_MISSING if there is
+ * none (not counted as a miss). The visitor runs under the lock. */
+stash_status stash_peek(stash_registry *registry, const stash_key *key, stash_visit_fn visitor, void *context);
+
 /* Copy the counters into *out. */
 stash_status stash_get_stats(stash_registry *registry, stash_stats *out);
 

@@ -5,7 +5,6 @@
 
 #include <c10/util/Exception.h>
 
-#include <algorithm>
 #include <map>
 #include <sstream>
 
@@ -135,22 +134,19 @@ std::unique_ptr<KeptEntry> take_entry(const at::Tensor& anchor, int64_t slot, co
 
 bool read_entry(const at::Tensor& anchor, int64_t slot, const std::function<void(const KeptEntry&)>& read) {
   struct Find {
-    stash_key key;
     const at::Tensor* anchor;
     const std::function<void(const KeptEntry&)>* read;
     bool found;
-  } find{key_of(anchor, slot, "sdpa_fwd_keep"), &anchor, &read, false};
-  stash_visit(
-      registry(),
-      [](const stash_key* k, const stash_entry* e, void* ctx) {
+  } find{&anchor, &read, false};
+  stash_key key = key_of(anchor, slot, "sdpa_fwd_keep");
+  stash_peek(
+      registry(), &key,
+      [](const stash_key*, const stash_entry* e, void* ctx) {
         auto* f = static_cast<Find*>(ctx);
         const auto* entry = static_cast<const KeptEntry*>(e->payload);
-        bool same_key = k->anchor == f->key.anchor && k->version == f->key.version && k->slot == f->key.slot &&
-                        k->rank == f->key.rank && std::equal(k->shape, k->shape + k->rank, f->key.shape);
-        if (same_key && same_storage(*entry, *f->anchor)) {
-          (*f->read)(*entry);
-          f->found = true;
-        }
+        if (!same_storage(*entry, *f->anchor)) return;  // a freed anchor's entry at a reused address
+        (*f->read)(*entry);
+        f->found = true;
       },
       &find);
   return find.found;

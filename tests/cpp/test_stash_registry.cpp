@@ -568,6 +568,33 @@ TEST(StashRegistry, ReleaseCallbackMayCallBackIntoTheRegistryWithoutDeadlock) {
 
 // --- visit, stats, messages ------------------------------------------------------
 
+TEST(StashRegistry, PeekSeesTheEntryUnderItsKeyAndLeavesItHeld) {
+  Payload kept, other;
+  Registry reg;
+  stash_key key = MakeKey(0x7000, 3, {4, 5}, 1);
+  stash_key other_slot = MakeKey(0x7000, 3, {4, 5}, 2);
+  ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(kept)), STASH_OK);
+  ASSERT_EQ(stash_keep(reg.get(), &other_slot, EntryFor(other)), STASH_OK);
+  void *seen = nullptr;
+  auto record = [](const stash_key *, const stash_entry *e, void *c) { *static_cast<void **>(c) = e->payload; };
+  ASSERT_EQ(stash_peek(reg.get(), &key, record, &seen), STASH_OK);
+  EXPECT_EQ(seen, &kept);
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.entries, 2u);
+  EXPECT_EQ(s.takes, 0u);
+
+  stash_key missing = MakeKey(0x7000, 4, {4, 5}, 1);  // another version
+  seen = nullptr;
+  EXPECT_EQ(stash_peek(reg.get(), &missing, record, &seen), STASH_ERR_MISSING);
+  EXPECT_EQ(seen, nullptr);
+  EXPECT_EQ(Stats(reg.get()).misses, 0u);  // a peek is no take
+  stash_key bad = MakeKey(0x7000, 3, {4, 5}, 1);
+  bad.rank = STASH_MAX_RANK + 1;
+  EXPECT_EQ(stash_peek(reg.get(), &bad, record, &seen), STASH_ERR_RANK);
+  EXPECT_EQ(stash_peek(nullptr, &key, record, &seen), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_peek(reg.get(), &key, nullptr, &seen), STASH_ERR_ARGUMENT);
+}
+
 TEST(StashRegistry, VisitSeesEveryHeldEntryOnceWithItsKeyAndEntry) {
   std::deque<Payload> payloads(40);
   Registry reg;
