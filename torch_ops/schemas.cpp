@@ -32,7 +32,8 @@ TORCH_LIBRARY(attnstash, m) {
       "_replay_take(Tensor query, Tensor key, Tensor value, Tensor anchor, int slot, Tensor? attn_mask, "
       "float dropout_p, bool is_causal, float? scale, bool enable_gqa) -> (Tensor output, Tensor logsumexp, "
       "Tensor info, Tensor[] extra)");
-  // ... and the kept backend's backward, called with the arguments PyTorch's derivative passes.
+  // ... and the kept backend's backward, called with the arguments PyTorch's derivative passes
+  // (attn_mask is the caller's: a boolean one is made additive as for the kept forward).
   m.def(
       "_replay_backward(Tensor grad, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor output, "
       "Tensor logsumexp, Tensor info, Tensor[] extra, float dropout_p, bool is_causal, float? scale, bool enable_gqa) "

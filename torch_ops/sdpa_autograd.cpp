@@ -57,8 +57,9 @@ struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
       std::tie(output, logsumexp, info, extra) =
           take.call(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
     }
-    // The backward gets the mask as the fused op got it (boolean made additive), like F.sdpa's.
-    at::Tensor mask = fused_attn_mask(attn_mask, query).value_or(at::Tensor());
+    // The caller's mask, as it came: _replay_backward makes it what the kept backend got.
+    // (Saving the additive one would hold a new [B, 1, Sq, Sk] tensor until backward.)
+    at::Tensor mask = attn_mask.value_or(at::Tensor());
     variable_list saved = {query, key, value, mask, output, logsumexp, info};
     saved.insert(saved.end(), extra.begin(), extra.end());
     ctx->save_for_backward(saved);
@@ -124,7 +125,7 @@ struct KeptGraphFunction : public torch::autograd::Function<KeptGraphFunction> {
     std::unique_ptr<KeptEntry> entry = take_for_replay(call, ctx->saved_data["anchor"].toTensor(),
                                                        ctx->saved_data["slot"].toInt(), /*check_backend=*/false);
     const KeptAttention& kept = entry->attention;
-    std::optional<at::Tensor> fused = fused_attn_mask(mask, call.query);
+    std::optional<at::Tensor> fused = fused_attn_mask(mask, call.query, *kept.backend);
     SdpaCall fused_call{call.query, call.key, call.value, fused, call.dropout_p, call.is_causal, call.scale,
                         call.enable_gqa};
     std::tie(grad_inputs[0], grad_inputs[1], grad_inputs[2]) = kept.backend->backward(grad, fused_call, kept);

@@ -44,6 +44,9 @@ struct SdpaBackend {
   c10::DeviceType device;
   int64_t id;        // its torch.nn.attention.SDPBackend value, as at::_fused_sdp_choice returns it
   const char* name;  // as PyTorch names it
+  // The additive value F.sdpa puts where a boolean mask is false before it calls this
+  // backend (it puts 0 where the mask is true), in the query's dtype.
+  double masked_out;
   KeptAttention (*forward)(const SdpaCall& call);
   // Gradients for query, key and value; `grad` is defined.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> (*backward)(const at::Tensor& grad, const SdpaCall& call,

@@ -7,7 +7,6 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/graph_task.h>
 
-#include <limits>
 #include <sstream>
 
 namespace attnstash {
@@ -51,10 +50,12 @@ Phase phase_of(const at::Tensor& anchor) {
   return hooks ? Phase::graph_forward : Phase::plain;
 }
 
-std::optional<at::Tensor> fused_attn_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query) {
+std::optional<at::Tensor> fused_attn_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query,
+                                          const SdpaBackend& backend) {
   if (!mask.has_value() || mask->scalar_type() != at::kBool) return mask;
-  return at::where(mask->logical_not(), -std::numeric_limits<double>::infinity(),
-                   at::scalar_tensor(0.0, at::TensorOptions().dtype(query.scalar_type()).device(mask->device())));
+  // As F.sdpa writes it: where(mask, 0, scalar_tensor(masked_out, query dtype)).
+  return at::where(*mask, 0.0, at::scalar_tensor(backend.masked_out,
+                                                 at::TensorOptions().dtype(query.scalar_type()).device(mask->device())));
 }
 
 at::Tensor sdpa_plain(const SdpaCall& c) {
@@ -78,7 +79,7 @@ at::Tensor keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t slo
               "select it with torch.nn.attention.sdpa_kernel(...), or do not stash this layer.");
 
   auto entry = std::make_unique<KeptEntry>();
-  std::optional<at::Tensor> mask = fused_attn_mask(c.attn_mask, c.query);
+  std::optional<at::Tensor> mask = fused_attn_mask(c.attn_mask, c.query, *backend);
   entry->attention = backend->forward({c.query, c.key, c.value, mask, c.dropout_p, c.is_causal, c.scale, c.enable_gqa});
   entry->attention.backend = backend;
   entry->query = TensorMeta::of(c.query);
@@ -239,7 +240,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_backward_kernel(
   kept.max_q = i[1];
   kept.max_k = i[2];
   // (enable_gqa is no argument of any fused backward: K/V heads come from the shapes.)
-  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  // The backward gets the mask as the kept forward got it (a boolean one made additive).
+  std::optional<at::Tensor> mask = fused_attn_mask(attn_mask, query, *kept.backend);
+  SdpaCall call{query, key, value, mask, dropout_p, is_causal, scale, enable_gqa};
   return kept.backend->backward(grad, call, kept);
 }
 

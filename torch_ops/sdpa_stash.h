@@ -24,9 +24,10 @@ Phase phase_of(const at::Tensor& anchor);
 // Exactly torch.nn.functional.scaled_dot_product_attention.
 at::Tensor sdpa_plain(const SdpaCall& call);
 
-// The mask F.sdpa hands the fused ops: a boolean mask (true = attend) becomes an additive
-// one in the query's dtype, 0 where true and -inf where false; others pass through.
-std::optional<at::Tensor> fused_attn_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query);
+// The mask F.sdpa hands `backend`: a boolean mask (true = attend) becomes an additive one
+// in the query's dtype, 0 where true and backend.masked_out where false; others pass through.
+std::optional<at::Tensor> fused_attn_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query,
+                                          const SdpaBackend& backend);
 
 // Run the forward F.sdpa would run, with its log-sum-exp, keep it for (anchor, slot) and
 // return the output. Fails clearly if that forward's backend cannot be kept.

@@ -38,15 +38,18 @@ def test_cudnn_is_the_backend_under_test():
         assert torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True) == CUDNN.value
 
 
-def padding_mask(batch, seq, kind, dtype=torch.bfloat16):
-    """[batch, 1, seq, seq], causal, rows padded on the left by different amounts."""
-    keep = torch.ones(batch, 1, seq, seq, dtype=torch.bool, device="cuda").tril()
+def padding_mask(batch, seq, kind, dtype=torch.bfloat16, key_room=0):
+    """[batch, 1, seq, seq], causal, rows padded on the left by different amounts.
+    key_room > 0: a slice of a [batch, 1, seq, seq + key_room] mask, as Hugging Face slices
+    its mask to the key length, so its row stride is seq + key_room."""
+    keep = torch.ones(batch, 1, seq, seq + key_room, dtype=torch.bool, device="cuda").tril()[..., :seq]
     for b in range(batch):
         keep[b, :, :, : 17 * b] = False
         keep[b, :, torch.arange(seq), torch.arange(seq)] = True
     if kind == "bool":
         return keep
-    return torch.zeros(keep.shape, dtype=dtype, device="cuda").masked_fill(~keep, torch.finfo(dtype).min)
+    room = torch.zeros(batch, 1, seq, seq + key_room, dtype=dtype, device="cuda")
+    return room[..., :seq].masked_fill_(~keep, torch.finfo(dtype).min)
 
 
 def check_against_autograd(backend, q, k, v, causal, gqa, mask=None):
@@ -103,6 +106,62 @@ def test_each_masked_backend_keeps_and_replays_like_autograd(backend, kind):
     # cuDNN NaN bug of torch 2.11 hits masked seq % 128 == 64.
     q, k, v = qkv(128, hq=8, hkv=8)
     check_against_autograd(backend, q, k, v, False, gqa=False, mask=padding_mask(2, 256, kind))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_efficient_attention_with_a_mask_it_must_re_lay_out(kind):
+    # Row stride 259, not a multiple of 8: F.sdpa pads and slices the mask before the
+    # memory-efficient kernel, and so must the kept forward and the replay's backward.
+    q, k, v = qkv(128, hq=8, hkv=8)
+    mask = padding_mask(2, 256, kind, key_room=3)
+    assert mask.stride(2) == 259
+    check_against_autograd(SDPBackend.EFFICIENT_ATTENTION, q, k, v, False, gqa=False, mask=mask)
+
+
+def same_bits(a, b):
+    """Bitwise equality that also holds for NaN and inf entries."""
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().view(ints), b.contiguous().view(ints)))
+
+
+@pytest.mark.parametrize("backend", MASKED_BACKENDS, ids=lambda b: b.name)
+def test_fully_masked_rows_are_what_f_sdpa_gives(backend):
+    """Left padding as Hugging Face masks it: the padded query rows attend to nothing, and
+    one row's padding spans more than a 128-key tile. What such rows get depends on the
+    value F.sdpa gives a boolean mask's false places, which differs by backend and torch
+    (cuDNN: -65504 on torch 2.6 to 2.11, -inf later; efficient: -inf): the kept output and
+    the replay's gradients must be F.sdpa's and autograd's bit for bit, NaN and all."""
+    q, k, v = qkv(128, hq=8, hkv=8)
+    seq = q.shape[2]
+    keep = torch.ones(2, 1, seq, seq, dtype=torch.bool, device="cuda").tril()
+    for b, pad in enumerate((40, 150)):
+        keep[b, :, :, :pad] = False  # causal: query rows < pad now attend to nothing
+    g = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    anchor = torch.randn(4, device="cuda", requires_grad=True)
+    with sdpa_kernel([backend]):
+        assert torch._fused_sdp_choice(q, k, v, keep, 0.0, False) == backend.value
+        with torch.no_grad():
+            kept = ops.sdpa_fwd_keep(q, k, v, anchor, 0, keep)
+        qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+        got = torch.autograd.grad(ops.sdpa_replay(qr, kr, vr, anchor, 0, keep), (qr, kr, vr), g)
+        runs = []
+        for _ in range(3):
+            qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
+            out = F.scaled_dot_product_attention(qa, ka, va, attn_mask=keep)
+            runs.append((out, torch.autograd.grad(out, (qa, ka, va), g)))
+    assert attnstash.stash_stats()["entries"] == 0
+    assert same_bits(kept, runs[0][0])
+    for i, name in enumerate("qkv"):
+        autograd_runs = [r[1][i] for r in runs]
+        if all(same_bits(a, autograd_runs[0]) for a in autograd_runs):
+            assert same_bits(got[i], autograd_runs[0]), f"d{name} differs from deterministic autograd"
+        else:  # cuDNN's dQ: the same non-finite places, and no further off than autograd's runs
+            ref = autograd_runs[0]
+            assert torch.equal(got[i].isfinite(), ref.isfinite()), f"d{name}: non-finite entries differ"
+            fin = ref.isfinite()
+            spread = max((a[fin].float() - ref[fin].float()).abs().max().item() for a in autograd_runs[1:])
+            assert (got[i][fin].float() - ref[fin].float()).abs().max().item() <= spread, f"d{name}"
 
 
 class Block(torch.nn.Module):

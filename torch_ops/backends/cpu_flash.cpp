@@ -1,6 +1,8 @@
 // CPU flash attention: _scaled_dot_product_flash_attention_for_cpu and its derivative.
 #include "sdpa_backend.h"
 
+#include <limits>
+
 namespace attnstash {
 namespace {
 
@@ -24,6 +26,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_backward(const at::Tens
 
 }  // namespace
 
-const SdpaBackend cpu_flash_backend = {c10::DeviceType::CPU, 1, "flash_attention (CPU)", cpu_flash_forward, cpu_flash_backward};
+const SdpaBackend cpu_flash_backend = {c10::DeviceType::CPU, 1, "flash_attention (CPU)",
+                                       -std::numeric_limits<double>::infinity(), cpu_flash_forward,
+                                       cpu_flash_backward};
 
 }  // namespace attnstash

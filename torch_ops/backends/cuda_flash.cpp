@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 
 namespace attnstash {
 namespace {
@@ -47,7 +48,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_flash_backward(const at::Ten
 
 }  // namespace
 
-const SdpaBackend cuda_flash_backend = {c10::DeviceType::CUDA, 1, "flash_attention", cuda_flash_forward,
+// (Flash takes no mask: masked_out is never used.)
+const SdpaBackend cuda_flash_backend = {c10::DeviceType::CUDA, 1, "flash_attention",
+                                        -std::numeric_limits<double>::infinity(), cuda_flash_forward,
                                         cuda_flash_backward};
 
 }  // namespace attnstash

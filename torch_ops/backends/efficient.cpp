@@ -1,17 +1,21 @@
 // CUDA memory-efficient attention: _scaled_dot_product_efficient_attention and its derivative.
 #include "sdpa_backend.h"
 
+#include <limits>
+
 namespace attnstash {
 namespace {
 
-// F.sdpa hands this kernel its mask as a bias of shape [batch, heads, seq_q, seq_k]
-// whose rows start at 16-element aligned offsets: padded and sliced back when they do
-// not, then expanded. The values are the mask's; only the layout changes.
+// F.sdpa hands this kernel its mask as a bias of shape [batch, heads, seq_q, seq_k], and
+// first re-lays it out unless every stride but the last is a multiple of 8 and the last is
+// 1: it pads the last dimension by 8 - seq_k % 8 and slices it back (read off the torch
+// 2.11 and 2.13 binaries, at::native::scaled_dot_product_attention). The values are the
+// mask's; only the layout changes, and it is the same here.
 std::optional<at::Tensor> efficient_bias(const SdpaCall& c) {
   if (!c.attn_mask.has_value()) return std::nullopt;
   at::Tensor bias = *c.attn_mask;
-  constexpr int64_t alignment = 16;
-  bool aligned = true;
+  constexpr int64_t alignment = 8;
+  bool aligned = bias.stride(-1) == 1;
   for (int64_t d = 0; d < bias.dim() - 1; ++d) aligned = aligned && bias.stride(d) % alignment == 0;
   if (!aligned) {
     int64_t last = bias.size(-1);
@@ -45,7 +49,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> efficient_backward(const at::Tens
 
 }  // namespace
 
-const SdpaBackend efficient_backend = {c10::DeviceType::CUDA, 2, "efficient_attention", efficient_forward,
+const SdpaBackend efficient_backend = {c10::DeviceType::CUDA, 2, "efficient_attention",
+                                       -std::numeric_limits<double>::infinity(), efficient_forward,
                                        efficient_backward};
 
 }  // namespace attnstash
