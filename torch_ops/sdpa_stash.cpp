@@ -122,12 +122,22 @@ void check_same_call(const SdpaCall& c, const KeptEntry* e, bool check_backend, 
     mismatch("attn_mask", mask_str(e->mask), mask_str(mask_now));
   if (mask_now.has_value()) {
     if (auto first = e->mask_impl.lock()) {  // the first forward's mask still lives: compare
-      if (first.get() == c.attn_mask->unsafeGetTensorImpl()) {
-        TORCH_CHECK(c.attn_mask->_version() == e->mask_version, "attnstash::", op,
+      const at::Tensor& now = *c.attn_mask;
+      // The same memory (the same tensor, or an alias with the same layout: a reentrant
+      // checkpoint hands its recompute detached aliases): reading it cannot tell a change,
+      // the first mask's version counter can (views and detached aliases share it; .data
+      // aliases do not, and go unseen, as they do by autograd). It also spares the read,
+      // which on CUDA would synchronise with the device once per layer. Else: the values.
+      bool same_memory = first.get() == now.unsafeGetTensorImpl() ||
+                         (first->has_storage() && now.has_storage() && first->storage().is_alias_of(now.storage()) &&
+                          first->storage_offset() == now.storage_offset() && first->sizes() == now.sizes() &&
+                          first->strides() == now.strides());
+      if (same_memory) {
+        int64_t version = static_cast<int64_t>(first->version_counter().current_version());
+        TORCH_CHECK(version == e->mask_version, "attnstash::", op,
                     ": the attn_mask was modified in place between the first forward and its recompute (version ",
-                    e->mask_version, " then, ", c.attn_mask->_version(),
-                    " now); ", released, ".");
-      } else if (!at::equal(at::Tensor(std::move(first)), *c.attn_mask)) {
+                    e->mask_version, " then, ", version, " now); ", released, ".");
+      } else if (!at::equal(at::Tensor(std::move(first)), now)) {
         mismatch("attn_mask", "other values", "same shape and dtype, different values");
       }
     }

@@ -455,6 +455,38 @@ def test_a_recompute_with_another_mask_is_refused(change):
     assert attnstash.stash_stats()["entries"] == 0
 
 
+@pytest.mark.parametrize("alias", ["detached", "view"])
+def test_a_recompute_given_an_alias_of_the_mask_checks_its_version_not_its_values(alias):
+    # A reentrant checkpoint hands its recompute a detached alias of a positional mask.
+    # Its values are the first forward's memory, so comparing them cannot show a change;
+    # the shared version counter does, and nothing is read (on a GPU that read would
+    # synchronise once per layer). A mask in other memory is compared by value.
+    torch.manual_seed(0)
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    mask = padding_mask(2, 48, "bool", torch.float32)
+    anchor = anchor_for(q)
+    make_alias = (lambda m: m.detach()) if alias == "detached" else (lambda m: m[:])
+
+    def replay_reads_values(m):
+        with torch.profiler.profile() as prof:
+            ops.sdpa_replay(q, k, v, anchor, 0, m)
+        return "aten::equal" in [e.name for e in prof.events()]
+
+    with torch.no_grad():
+        ops.sdpa_fwd_keep(q, k, v, anchor, 0, mask)
+        assert not replay_reads_values(make_alias(mask))
+        ops.sdpa_fwd_keep(q, k, v, anchor, 0, mask)
+        assert replay_reads_values(mask.clone())
+        for through in ("first forward's handle", "alias"):
+            ops.sdpa_fwd_keep(q, k, v, anchor, 0, mask)
+            view = make_alias(mask)
+            target = mask if through == "first forward's handle" else view
+            target[0, :, 5, 0] = ~target[0, :, 5, 0]
+            msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, view))
+            assert "attn_mask was modified in place" in msg, through
+    assert attnstash.stash_stats()["entries"] == 0
+
+
 def test_entries_of_a_freed_anchor_are_released_by_the_next_call_and_never_matched():
     torch.manual_seed(0)
     q, k, v = qkv(torch.float32, 4, 4, 64)
