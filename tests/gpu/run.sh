@@ -6,9 +6,9 @@
 #
 # It builds attnstash against that torch (CMake only: no pip, no GoogleTest), prints
 # the versions and the SDPA backend torch picks for the Qwen3-30B-A3B attention shape,
-# runs the whole pytest suite (GPU tests included: every kept backend with and without
-# masks), then the benchmark in model and layer mode (JSON and PNG under $OUT). About
-# 6 minutes on an H200 after the machine starts. Each stage is
+# runs the GPU tests (every kept backend with and without masks), then the rest of the
+# pytest suite, then the benchmark in model and layer mode (JSON and PNG under $OUT).
+# About 6 minutes on an H200 after the machine starts. Each stage is
 # time-boxed and a failing stage does not stop the later ones; the exit status says
 # whether any failed.
 set -uo pipefail
@@ -49,7 +49,12 @@ for grad in (False, True):
     print(f"Qwen3-30B-A3B attention (bf16, B4 H32/4 S4096 D128, causal, GQA, requires_grad={grad}):",
           SDPBackend(choice).name)
 PY
-stage pytest 300 $PY -m pytest tests/python -q -rs -p no:cacheprovider --junitxml="$OUT/pytest.xml"
+# The GPU tests first, on their own (every kept backend, with and without masks), so that
+# they have run whatever happens later; then the rest of the suite on this machine.
+stage pytest-gpu 180 $PY -m pytest tests/python/test_gpu_ops.py -v -s -rs -p no:cacheprovider \
+  --junitxml="$OUT/pytest-gpu.xml"
+stage pytest 300 $PY -m pytest tests/python -q -rs -p no:cacheprovider --ignore=tests/python/test_gpu_ops.py \
+  --junitxml="$OUT/pytest.xml"
 # The Qwen3-30B-A3B attention shape: a 4-layer model (step time, memory, efficiency,
 # the SAC peer), then one decoder-layer recompute with and without the stash.
 stage bench 240 $PY -m attnstash.bench --preset qwen3-30b-a3b --device cuda --out "$OUT"
