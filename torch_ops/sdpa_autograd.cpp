@@ -160,8 +160,18 @@ at::Tensor sdpa_fwd_keep_autograd(const at::Tensor& query, const at::Tensor& key
       return KeptGraphFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
                                       enable_gqa, /*recompute=*/false);
     case Phase::plain:
-      if (at::GradMode::is_enabled())  // an ordinary differentiable call: F.sdpa's own graph
+      if (at::GradMode::is_enabled()) {  // an ordinary differentiable call: F.sdpa's own graph
+        // Traced so, with an anchor that requires grad: some torch versions (2.11) trace an
+        // activation checkpoint around it without a sign of it, where 2.13 shows hooks
+        // (above). The graph then has plain attention: gradients right, nothing kept.
+        if (anchor.requires_grad() && (traced(query) || traced(anchor)))
+          TORCH_WARN("attnstash::sdpa_fwd_keep: torch.compile traces this call as an ordinary differentiable one "
+                     "(grad mode on, outside backward, no activation checkpoint seen), so the compiled graph runs "
+                     "plain attention and nothing is kept. If torch.compile is tracing an activation checkpoint "
+                     "around it, compile the checkpointed function and checkpoint the compiled one instead: "
+                     "checkpoint(torch.compile(block), x, use_reentrant=True).");
         return sdpa_plain({query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa});
+      }
       break;
     case Phase::first_forward:
       break;
