@@ -6,7 +6,7 @@
 #     PYTHON=/path/to/python KEEP=1 bash tests/mutations/run.sh
 #
 # NOT part of CI or `make test`: it builds the extension once and rebuilds it for every
-# C/C++ mutation, and runs the suite once per mutation: about 11 minutes for 19 patches on
+# C/C++ mutation, and runs the suite once per mutation: about 11 minutes for 20 patches on
 # 2 idle cores (mostly the baseline build and the surviving mutations' full runs).
 #
 # What it does, never touching the checkout it is run from:
