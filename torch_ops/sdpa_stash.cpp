@@ -128,10 +128,10 @@ void check_same_call(const SdpaCall& c, const KeptEntry* e, bool check_backend, 
       // the first mask's version counter can (views and detached aliases share it; .data
       // aliases do not, and go unseen, as they do by autograd). It also spares the read,
       // which on CUDA would synchronise with the device once per layer. Else: the values.
+      // (Sizes and dtype are equal: checked above.)
       bool same_memory = first.get() == now.unsafeGetTensorImpl() ||
                          (first->has_storage() && now.has_storage() && first->storage().is_alias_of(now.storage()) &&
-                          first->storage_offset() == now.storage_offset() && first->sizes() == now.sizes() &&
-                          first->strides() == now.strides());
+                          first->storage_offset() == now.storage_offset() && first->strides() == now.strides());
       if (same_memory) {
         int64_t version = static_cast<int64_t>(first->version_counter().current_version());
         TORCH_CHECK(version == e->mask_version, "attnstash::", op,

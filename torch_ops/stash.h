@@ -31,7 +31,8 @@ struct KeptEntry {
   TensorMeta query, key, value;
   std::optional<TensorMeta> mask;
   // The first forward's mask, weakly: while it lives, the recompute's mask is compared
-  // with it (by identity and version, or else by content). The mask itself is not kept.
+  // with it (the same memory by version, other memory by content). The mask itself is
+  // not kept.
   c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> mask_impl{
       c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
   int64_t mask_version = 0;

@@ -99,7 +99,7 @@ def test_a_compiled_hugging_face_model_with_gradient_checkpointing_trains_bitwis
         use_reentrant):
     # What Trainer(torch_compile=True, gradient_checkpointing=True) does: compile the whole
     # model. Padded batch, every layer stashed: loss and gradients bitwise the run without.
-    from tiny_models import batch, clone, tiny_model
+    from tiny_models import assert_bitwise_equal, batch, clone, loss_and_grads, tiny_model
     base = tiny_model("llama", layers=2)
     ids = batch(batch_size=2, seq=32)
     mask = torch.ones_like(ids)
@@ -114,16 +114,11 @@ def test_a_compiled_hugging_face_model_with_gradient_checkpointing_trains_bitwis
             attnstash.install_attention_stash(model, 2)
         before = attnstash.stash_stats()
         try:
-            loss = torch.compile(model, backend="aot_eager")(input_ids=ids, attention_mask=mask, labels=ids).loss
-            loss.backward()
+            runs.append(loss_and_grads(torch.compile(model, backend="aot_eager"), ids, attention_mask=mask))
         finally:
             if use_stash:
                 attnstash.uninstall_attention_stash(model)
         after = attnstash.stash_stats()
-        runs.append((loss.detach(), [p.grad for p in model.parameters()], after["keeps"] - before["keeps"],
-                     after["replays"] - before["replays"]))
-    (loss0, grads0, _, _), (loss1, grads1, keeps, replays) = runs
-    assert torch.equal(loss0, loss1)
-    assert all(torch.equal(a, b) for a, b in zip(grads0, grads1))
-    assert replays == keeps == 2  # one per layer
+    assert_bitwise_equal(*runs)
+    assert after["replays"] - before["replays"] == after["keeps"] - before["keeps"] == 2  # one per layer
     assert attnstash.stash_stats()["entries"] == 0
