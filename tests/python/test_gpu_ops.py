@@ -52,10 +52,10 @@ def padding_mask(batch, seq, kind, dtype=torch.bfloat16, key_room=0):
     return room[..., :seq].masked_fill_(~keep, torch.finfo(dtype).min)
 
 
-def check_against_autograd(backend, q, k, v, causal, gqa, mask=None):
-    """Output bitwise F.sdpa's under the same backend; each gradient bitwise autograd's
-    where autograd itself is bitwise reproducible (5 runs), else no further from an fp32
-    reference than autograd's own worst run."""
+def keep_replay_and_autograd(backend, q, k, v, n_runs, causal=False, gqa=False, mask=None):
+    """Under `backend`: keep the forward and replay it with a gradient g, then run F.sdpa
+    and autograd n_runs times on the same inputs. Returns g, the kept and the replayed
+    output, the replay's gradients, and [(output, gradients)] of the autograd runs."""
     g = torch.randn(q.shape, device="cuda", dtype=q.dtype)
     anchor = torch.randn(4, device="cuda", requires_grad=True)
     with sdpa_kernel([backend]):
@@ -66,11 +66,19 @@ def check_against_autograd(backend, q, k, v, causal, gqa, mask=None):
         replayed = ops.sdpa_replay(qr, kr, vr, anchor, 0, mask, is_causal=causal, enable_gqa=gqa)
         got = torch.autograd.grad(replayed, (qr, kr, vr), g)
         runs = []
-        for _ in range(5):
+        for _ in range(n_runs):
             qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
             out = F.scaled_dot_product_attention(qa, ka, va, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
             runs.append((out, torch.autograd.grad(out, (qa, ka, va), g)))
     assert attnstash.stash_stats()["entries"] == 0
+    return g, kept, replayed, got, runs
+
+
+def check_against_autograd(backend, q, k, v, causal, gqa, mask=None):
+    """Output bitwise F.sdpa's under the same backend; each gradient bitwise autograd's
+    where autograd itself is bitwise reproducible (5 runs), else no further from an fp32
+    reference than autograd's own worst run."""
+    g, kept, replayed, got, runs = keep_replay_and_autograd(backend, q, k, v, 5, causal, gqa, mask)
     assert torch.equal(kept, runs[0][0]) and torch.equal(replayed, runs[0][0])
     qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
     ref_mask = mask if mask is None or mask.dtype == torch.bool else mask.float()
@@ -137,21 +145,8 @@ def test_fully_masked_rows_are_what_f_sdpa_gives(backend):
     keep = torch.ones(2, 1, seq, seq, dtype=torch.bool, device="cuda").tril()
     for b, pad in enumerate((40, 150)):
         keep[b, :, :, :pad] = False  # causal: query rows < pad now attend to nothing
-    g = torch.randn(q.shape, device="cuda", dtype=q.dtype)
-    anchor = torch.randn(4, device="cuda", requires_grad=True)
-    with sdpa_kernel([backend]):
-        assert torch._fused_sdp_choice(q, k, v, keep, 0.0, False) == backend.value
-        with torch.no_grad():
-            kept = ops.sdpa_fwd_keep(q, k, v, anchor, 0, keep)
-        qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
-        got = torch.autograd.grad(ops.sdpa_replay(qr, kr, vr, anchor, 0, keep), (qr, kr, vr), g)
-        runs = []
-        for _ in range(3):
-            qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
-            out = F.scaled_dot_product_attention(qa, ka, va, attn_mask=keep)
-            runs.append((out, torch.autograd.grad(out, (qa, ka, va), g)))
-    assert attnstash.stash_stats()["entries"] == 0
-    assert same_bits(kept, runs[0][0])
+    _, kept, replayed, got, runs = keep_replay_and_autograd(backend, q, k, v, 3, mask=keep)
+    assert same_bits(kept, runs[0][0]) and same_bits(replayed, runs[0][0])
     for i, name in enumerate("qkv"):
         autograd_runs = [r[1][i] for r in runs]
         if all(same_bits(a, autograd_runs[0]) for a in autograd_runs):
