@@ -14,11 +14,12 @@
 BOOTSTRAP_PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
-TRANSFORMERS ?= transformers==5.17.0
+# The test environment's pins: one file (pyproject.toml's `test` extra names it too).
+PINS := $(shell grep -v '^[[:space:]]*\(#\|$$\)' tests/requirements.txt)
+TRANSFORMERS ?= $(filter transformers==%,$(PINS))
 HF4_VENV ?= .venv-hf4
 HF4_TRANSFORMERS ?= transformers==4.57.6
-REQUIREMENTS = $(TORCH) $(TRANSFORMERS) numpy pytest tqdm matplotlib psutil peft==0.21.2 accelerate==1.15.0 deepspeed==0.19.8 \
-  setuptools==80.9.0 wheel==0.45.1
+REQUIREMENTS = $(TORCH) $(TRANSFORMERS) $(filter-out transformers==%,$(PINS))
 PYTHON ?= $(VENV)/bin/python
 BUILD_DIR ?= build/$(notdir $(VENV))
 PYTEST_ARGS ?=

@@ -1,4 +1,5 @@
-"""A thin shim: CMake (CMakeLists.txt) knows the sources and builds attnstash/_C.
+"""A thin shim: CMake (CMakeLists.txt) knows the sources and builds attnstash/_C; the
+package's metadata is pyproject.toml's.
 
     pip install --no-build-isolation -e .     # or without -e
 
@@ -38,13 +39,4 @@ class CMakeBuild(build_ext):
         subprocess.check_call(["cmake", "--build", str(build_dir), "-j", jobs])
 
 
-setup(
-    name="attnstash",
-    version="0.1.0",
-    description="Keep attention outputs for reentrant activation-checkpoint recomputes (PyTorch custom ops)",
-    packages=["attnstash"],
-    ext_modules=[CMakeExtension("attnstash._C")],
-    cmdclass={"build_ext": CMakeBuild},
-    python_requires=">=3.10",
-    install_requires=[],  # torch is the user's: building needs it installed already
-)
+setup(ext_modules=[CMakeExtension("attnstash._C")], cmdclass={"build_ext": CMakeBuild})

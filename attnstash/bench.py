@@ -549,7 +549,7 @@ def _check_step(config, device):
     and its gradients."""
     config.setup()
     try:
-        ops.reset_peak()
+        ops.stash_reset_peak()
         before = attnstash.stash_stats()
         during = {}
 

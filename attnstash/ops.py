@@ -1,52 +1,136 @@
 """The one Python module that names the attnstash ops (torch.ops.attnstash.*).
 
-Typed wrappers, the stash's Python API, and the fake kernels that let
-torch.compile and FakeTensor trace the ops.
+Typed wrappers with their contracts, the stash's Python API, and the fake kernels that
+let torch.compile and FakeTensor trace the ops.
 """
-from typing import Optional
+import re
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 
-_ops = torch.ops.attnstash
+from . import _library, backends
 
-STATS_FIELDS = ("entries", "bytes", "peak_bytes", "keeps", "replays", "misses", "released_unused")
+_library.load()  # registers the ops (attnstash/_C); explains a missing or mismatched build
+_ops = torch.ops.attnstash
 
 
 def sdpa_fwd_keep(query, key, value, anchor, slot: int, attn_mask=None, dropout_p: float = 0.0,
                   is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False):
-    """F.scaled_dot_product_attention that keeps its output for a reentrant recompute.
+    """F.scaled_dot_product_attention that keeps its output for its activation-checkpoint recompute.
 
-    query: (batch, heads, seq_q, head_dim); key, value: (batch, kv_heads, seq_k, head_dim).
-    anchor: the tensor that identifies this forward (the decoder layer's input); slot: which
-    attention call on that anchor. In a reentrant checkpoint's first forward (grad off,
-    anchor.requires_grad) it keeps output and log-sum-exp; in the recompute (grad on, inside
-    backward) it returns them through a node whose backward is PyTorch's own; anywhere else it
-    is exactly F.scaled_dot_product_attention and keeps nothing.
+    Args:
+        query: (batch, heads, seq_q, head_dim).
+        key, value: (batch, kv_heads, seq_k, head_dim) and (batch, kv_heads, seq_k, head_dim_v).
+        anchor: the tensor that identifies this forward: the checkpointed function's input
+            (the decoder layer's input), which its recompute receives again (a reentrant
+            checkpoint passes a detached alias of it).
+        slot: which attention call on that anchor (several calls of one layer need
+            several slots).
+        attn_mask, dropout_p, is_causal, scale, enable_gqa: as F.scaled_dot_product_attention.
+
+    Returns:
+        (batch, heads, seq_q, head_dim_v): bitwise what F.scaled_dot_product_attention returns.
+
+    What it does depends on where it runs (attnstash decides; see torch_ops/keep_replay.h):
+    in a reentrant checkpoint's first forward (grad off, anchor requires grad) or a
+    non-reentrant one's (grad on, under the checkpoint's saved-tensor hooks) it runs the
+    forward F.sdpa would run, with its log-sum-exp, and keeps both (over the stash's budget,
+    a declined record instead: that recompute then runs attention as usual); in the
+    recompute (grad on, inside backward) it returns the kept output through a node whose
+    backward is PyTorch's own derivative; anywhere else (an empty input included) it is
+    exactly F.scaled_dot_product_attention and keeps nothing. Under torch.autocast it casts
+    its inputs as F.sdpa does.
+
+    Raises:
+        RuntimeError: when a call it should keep cannot be kept (attention dropout, a mask
+            that requires grad, a backend it cannot keep, inputs F.sdpa refuses: PyTorch's own
+            message), and when a recompute differs from its first forward or finds nothing kept.
     """
     return _ops.sdpa_fwd_keep(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def sdpa_replay(query, key, value, anchor, slot: int, attn_mask=None, dropout_p: float = 0.0,
                 is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False):
-    """Take what sdpa_fwd_keep kept for (anchor, slot); fails if nothing is kept. Never runs attention."""
+    """The recompute half of sdpa_fwd_keep on its own: takes what it kept for (anchor, slot).
+
+    Arguments and result as sdpa_fwd_keep. The output is the kept one (for a declined
+    record, the forward run now), as a node whose backward is the kept backend's derivative.
+
+    Raises:
+        RuntimeError: if nothing is kept for (anchor, slot), or the call differs from the one
+            that kept it (shapes, dtypes, device, flags, mask, the backend PyTorch would now
+            choose, an anchor, mask or output modified in place).
+    """
     return _ops.sdpa_replay(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def stash_stats() -> dict:
-    """Counters of the process-wide stash: entries and bytes held now, peak bytes, keeps,
-    replays, misses, and entries released without being replayed."""
-    return dict(zip(STATS_FIELDS, _ops.stash_stats()))
+    """The process-wide stash's counters, by name (csrc/stash_registry.h defines them):
+    entries, bytes, peak_bytes, max_bytes (-1: no budget), keeps, declined, replays,
+    misses, released_unused. stash_stats_meanings() says what each one counts."""
+    return dict(_ops.stash_stats())
 
 
-def clear_stash() -> int:
-    """Release everything kept; returns the number of entries released."""
+def stash_stats_meanings() -> dict:
+    """{counter: what it counts} for the fields of stash_stats()."""
+    return dict(_ops.stash_stats_meanings())
+
+
+def stash_clear() -> int:
+    """Release everything kept; returns the number of records released. A recompute whose
+    output was released fails clearly (it never recomputes silently)."""
     return _ops.stash_clear()
 
 
-def release_anchor(data_ptr: int) -> int:
-    """Release every entry kept for the anchor at this data pointer (it has been freed)."""
-    return _ops.stash_release_anchor(data_ptr)
+def stash_reset_peak() -> None:
+    """Set peak_bytes to the bytes held now (to measure one phase of a run)."""
+    _ops.stash_reset_peak()
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
+    """A byte count from an int (>= 0) or a string such as "8GiB", "512MB", "1.5 GB" or
+    "1024" (MB/GB are powers of 10, MiB/GiB of 2, as other tools count them); None stays
+    None. Raises ValueError for anything else (negative numbers and bools included)."""
+    accepted = ('an int >= 0, or a string such as "8GiB", "512MB", "1.5GB" or "1024" '
+                '(units B, KB, MB, GB, TB = powers of 10; KiB, MiB, GiB, TiB = powers of 2)')
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"attnstash: a byte count must be {accepted}, got the bool {value!r}.")
+    if isinstance(value, str):
+        found = _SIZE.match(value)
+        unit = found.group(2).lower() if found else None
+        if not found or unit not in _UNITS:
+            raise ValueError(f"attnstash: cannot read {value!r} as a byte count: use {accepted}.")
+        return int(float(found.group(1)) * _UNITS[unit])
+    try:
+        count = int(value.__index__())
+    except (AttributeError, TypeError):
+        raise ValueError(f"attnstash: a byte count must be {accepted}, got {type(value).__name__} {value!r}.") from None
+    if count < 0:
+        raise ValueError(f"attnstash: a byte count must be {accepted}, got {count}.")
+    return count
+
+
+def stash_set_max_bytes(max_bytes: Union[int, str, None]) -> None:
+    """Set the stash's budget: the most bytes it holds at any moment (None: no budget; 0:
+    every keep declined). A keep that would pass it is declined: that forward's recompute
+    runs attention as the normal recompute does (counted in stash_stats()["declined"]).
+    Entries already held stay. Accepts what parse_bytes accepts."""
+    count = parse_bytes(max_bytes)
+    _ops.stash_set_max_bytes(-1 if count is None else count)
+
+
+def stash_max_bytes() -> Optional[int]:
+    """The stash's budget in bytes, or None if it has none."""
+    value = _ops.stash_stats()["max_bytes"]
+    return None if value < 0 else value
 
 
 def held_by_slot() -> dict:
@@ -55,56 +139,30 @@ def held_by_slot() -> dict:
     return {flat[i]: (flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)}
 
 
-def reset_peak() -> None:
-    """Set peak_bytes to the bytes held now."""
-    _ops.stash_reset_peak()
+def entry_id(anchor, slot: int) -> int:
+    """The id of the record held for (anchor, slot), 0 if none."""
+    return _ops.stash_entry_id(anchor, slot)
+
+
+def release(entry: int) -> bool:
+    """Release one forward's reference of record `entry`; whether it was held."""
+    return _ops.stash_release(entry)
 
 
 # ---- fake kernels --------------------------------------------------------------------------
 # They let FakeTensor and torch.compile trace the ops. Every output comes from the fused
-# SDPA op F.sdpa would run for these inputs, so PyTorch's own meta functions give the
-# exact shape, dtype and strides. One branch per kept backend (torch_ops/backends/).
-_aten = torch.ops.aten
-_FLASH, _EFFICIENT, _CUDNN = 1, 2, 3  # torch.nn.attention.SDPBackend values
+# SDPA op F.sdpa would run for these inputs (attnstash/backends.py), so PyTorch's own meta
+# functions give the exact shape, dtype and strides.
 
-
-def _fake_backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    if query.device.type == "cpu":
-        return "cpu_flash"
-    choice = int(torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                                         enable_gqa=enable_gqa))
-    if query.device.type == "cuda" and choice in (_FLASH, _EFFICIENT, _CUDNN):
-        return {_FLASH: "flash", _EFFICIENT: "efficient", _CUDNN: "cudnn"}[choice]
-    raise NotImplementedError(f"attnstash: SDPA backend {choice} on {query.device} is not kept, so it has no fake kernel")
-
-
-def _fake_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    """(output, logsumexp, extra) of the fused forward, on fake tensors."""
-    backend = _fake_backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if backend == "cpu_flash":
-        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-        return out, lse, []
-    if backend == "flash":
-        r = _aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
-                                                      scale=_flash_scale(query, scale))
-        return r[0], r[1], [r[6], r[7]]
-    if backend == "efficient":
-        r = _aten._scaled_dot_product_efficient_attention(query, key, value, _efficient_bias(attn_mask, query, key),
-                                                          True, dropout_p, is_causal, scale=scale)
-        return r[0], r[1], [r[2], r[3]]
-    r = _aten._scaled_dot_product_cudnn_attention(query, key, value, attn_mask, True, dropout_p, is_causal, False,
-                                                  scale=scale)
-    return r[0], r[1], [r[6], r[7]]
-
-
-def _flash_scale(query, scale):
-    return scale if scale is not None else 1.0 / query.shape[-1] ** 0.5
-
-
-def _efficient_bias(mask, query, key):
-    # Layout only matters to the real kernel; the fake needs the expanded shape.
-    return None if mask is None else mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+def _fake_row(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    backend = backends.chosen_backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if query.device.type == "cpu":  # the fake CPU choice can differ from the real one: CPU keeps one backend
+        backend = torch.nn.attention.SDPBackend.FLASH_ATTENTION
+    row = backends.kept_backend(query.device, backend)
+    if row is None:
+        raise NotImplementedError(f"attnstash: SDPA backend {backend.name} on {query.device} is not kept, so it has "
+                                  "no fake kernel")
+    return row
 
 
 def _fake_output(query, key, value, anchor, slot, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -120,25 +178,14 @@ torch.library.register_fake("attnstash::sdpa_replay")(_fake_output)
 
 @torch.library.register_fake("attnstash::_replay_take")
 def _replay_take_fake(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa):
-    out, lse, extra = _fake_forward(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    row = _fake_row(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    out, lse, extra = row.forward(query, key, value, backends.fused_mask(attn_mask, query, row), is_causal, scale)
     return out, lse, torch.empty(4, dtype=torch.long, device="cpu"), extra
 
 
 @torch.library.register_fake("attnstash::_replay_backward")
 def _replay_backward_fake(grad, query, key, value, attn_mask, output, logsumexp, info, extra, dropout_p, is_causal,
                           scale, enable_gqa):
-    backend = _fake_backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if backend == "cpu_flash":
-        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, query, key, value, output, logsumexp, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-    if backend == "flash":
-        return _aten._scaled_dot_product_flash_attention_backward(
-            grad, query, key, value, output, logsumexp, None, None, query.shape[2], key.shape[2], dropout_p,
-            is_causal, extra[0], extra[1], scale=_flash_scale(query, scale))
-    if backend == "efficient":
-        return _aten._scaled_dot_product_efficient_attention_backward(
-            grad, query, key, value, _efficient_bias(attn_mask, query, key), output, logsumexp, extra[0], extra[1],
-            dropout_p, [True, True, True, False], is_causal, scale=scale)[:3]
-    return _aten._scaled_dot_product_cudnn_attention_backward(
-        grad, query, key, value, output, logsumexp, extra[0], extra[1], attn_mask, None, None,
-        query.shape[2], key.shape[2], dropout_p, is_causal, scale=scale)
+    row = _fake_row(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return row.backward(grad, query, key, value, backends.fused_mask(attn_mask, query, row), output, logsumexp, extra,
+                        is_causal, scale)

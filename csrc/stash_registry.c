@@ -1,15 +1,15 @@
-/* stash_registry.c: the stash registry of stash_registry.h.
+/* stash_registry.c: the stash registry of stash_registry.h, its functions in the
+ * header's order after the private helpers.
  *
  * A chained hash table behind one pthread mutex. Buckets are chosen by the
- * anchor alone, so every entry of one anchor lives in one chain and
- * stash_release_anchor visits a single bucket; the full key is compared inside
- * the chain. Anchors are tensor data pointers, so a handful of entries per
- * anchor (versions, slots) share a chain, which stays short in practice.
+ * anchor alone, so every record of one anchor lives in one chain; the full key is
+ * compared inside the chain. Anchors are tensor data pointers, so a handful of
+ * records per anchor (versions, slots) share a chain, which stays short.
  *
- * Dropping entries is two-phase: matching nodes are unlinked into a private
- * list and the counters updated under the lock, then the lock is released and
- * only then are the release callbacks run and the nodes freed. A callback may
- * thus call back into the registry (even keep a new entry) without deadlock.
+ * Dropping records is two-phase: the nodes are unlinked into a private list and
+ * the counters updated under the lock, then the lock is released and only then
+ * are the release callbacks run and the nodes freed. A callback may thus call
+ * back into the registry (even keep a new entry) without deadlock.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -24,26 +24,18 @@ typedef struct stash_node {
   struct stash_node *next;
   stash_key key;
   stash_entry entry;
+  uint64_t id;
+  uint32_t refs;
+  int declined;
 } stash_node;
 
 struct stash_registry {
   pthread_mutex_t mutex;
   stash_node **buckets;
   size_t bucket_count; /* always a power of two */
+  uint64_t next_id;
   stash_stats stats;   /* entries doubles as the table's size */
 };
-
-const char *stash_status_message(stash_status status) {
-  switch (status) {
-    case STASH_OK: return "ok";
-    case STASH_ERR_ARGUMENT: return "invalid argument: a required pointer is NULL";
-    case STASH_ERR_RANK: return "invalid key rank: must be between 0 and STASH_MAX_RANK";
-    case STASH_ERR_DUPLICATE: return "an entry is already held under this key";
-    case STASH_ERR_MISSING: return "no entry is held under this key";
-    case STASH_ERR_NOMEM: return "out of memory";
-  }
-  return "unknown status";
-}
 
 /* Pointers are aligned and often share their high bits, so the raw value
  * masked would crowd a few buckets; a 64-bit finalizer (splitmix64's) spreads
@@ -76,12 +68,19 @@ static stash_status check_key(const stash_key *key) {
   return STASH_OK;
 }
 
-/* The link that points at the node holding `key`, or at the chain's NULL end:
- * returning the link lets take unlink without a second walk. */
-static stash_node **find_link(stash_registry *r, const stash_key *key) {
+/* The link that points at the node holding `key` (and `id`, unless 0), or at the
+ * chain's NULL end: returning the link lets callers unlink without a second walk. */
+static stash_node **find_link(stash_registry *r, const stash_key *key, uint64_t id) {
   stash_node **link = &r->buckets[bucket_of(key->anchor, r->bucket_count)];
-  while (*link != NULL && !keys_equal(&(*link)->key, key)) link = &(*link)->next;
+  while (*link != NULL && !(keys_equal(&(*link)->key, key) && (id == 0 || (*link)->id == id))) {
+    link = &(*link)->next;
+  }
   return link;
+}
+
+static stash_record record_of(const stash_node *node) {
+  stash_record record = {&node->key, &node->entry, node->id, node->refs, node->declined};
+  return record;
 }
 
 /* Doubles the table. On allocation failure the old table stays: chaining
@@ -106,12 +105,134 @@ static void try_grow(stash_registry *r) {
   r->bucket_count = new_count;
 }
 
+/* The shared body of stash_keep and stash_decline. */
+static stash_status store(stash_registry *r, const stash_key *key, stash_entry entry, int declined,
+                          uint64_t *id) {
+  if (r == NULL) return STASH_ERR_ARGUMENT;
+  stash_status status = check_key(key);
+  if (status != STASH_OK) return status;
+  if (declined) entry.bytes = 0;
+
+  pthread_mutex_lock(&r->mutex);
+  stash_stats *s = &r->stats;
+  if (*find_link(r, key, 0) != NULL) {
+    pthread_mutex_unlock(&r->mutex);
+    return STASH_ERR_DUPLICATE; /* the caller keeps its reference: not ours to release */
+  }
+  if (!declined && (entry.bytes > s->max_bytes || s->bytes > s->max_bytes - entry.bytes)) {
+    pthread_mutex_unlock(&r->mutex);
+    return STASH_ERR_BUDGET;
+  }
+  stash_node *node = malloc(sizeof *node);
+  if (node == NULL) {
+    pthread_mutex_unlock(&r->mutex);
+    return STASH_ERR_NOMEM;
+  }
+  node->key = *key;
+  node->entry = entry;
+  node->id = r->next_id++;
+  node->refs = 1;
+  node->declined = declined;
+  /* Grow past a load factor of 3/4 (entries / buckets), before linking. */
+  if (s->entries + 1 > r->bucket_count / 4 * 3) try_grow(r);
+  stash_node **head = &r->buckets[bucket_of(key->anchor, r->bucket_count)];
+  node->next = *head;
+  *head = node;
+
+  s->entries += 1;
+  s->bytes += entry.bytes;
+  if (s->bytes > s->peak_bytes) s->peak_bytes = s->bytes;
+  if (declined) {
+    s->declined += 1;
+  } else {
+    s->keeps += 1;
+  }
+  if (id != NULL) *id = node->id;
+  pthread_mutex_unlock(&r->mutex);
+  return STASH_OK;
+}
+
+/* Drops one reference of the node at *link, with the lock held. With its last reference
+ * the node is unlinked, uncounted and returned, to be released and freed after unlocking;
+ * otherwise only its count shrinks (the registry owns one payload reference per record,
+ * however many forwards share it) and NULL is returned. */
+static stash_node *drop_one(stash_registry *r, stash_node **link) {
+  stash_node *node = *link;
+  r->stats.released_unused += 1;
+  if (node->refs > 1) {
+    node->refs -= 1;
+    return NULL;
+  }
+  *link = node->next;
+  r->stats.entries -= 1;
+  r->stats.bytes -= node->entry.bytes;
+  return node;
+}
+
+/* Outside the lock: releases the registry's reference of each unlinked node and frees it. */
+static void release_unlinked(stash_node *unlinked) {
+  while (unlinked != NULL) {
+    stash_node *next = unlinked->next;
+    if (unlinked->entry.release != NULL) unlinked->entry.release(unlinked->entry.payload);
+    free(unlinked);
+    unlinked = next;
+  }
+}
+
+/* The shared body of release_if and clear: every matching record, all its references. */
+static stash_status release_matching(stash_registry *r, stash_predicate_fn predicate, void *context,
+                                     size_t *released) {
+  stash_node *unlinked = NULL;
+  size_t count = 0;
+
+  pthread_mutex_lock(&r->mutex);
+  for (size_t b = 0; b < r->bucket_count; ++b) {
+    stash_node **link = &r->buckets[b];
+    while (*link != NULL) {
+      stash_node *node = *link;
+      stash_record record = record_of(node);
+      if (predicate != NULL && predicate(&record, context) == 0) {
+        link = &node->next;
+        continue;
+      }
+      *link = node->next;
+      node->next = unlinked;
+      unlinked = node;
+      r->stats.entries -= 1;
+      r->stats.bytes -= node->entry.bytes;
+      r->stats.released_unused += node->refs;
+      count += 1;
+    }
+  }
+  pthread_mutex_unlock(&r->mutex);
+
+  /* Outside the lock: a callback may re-enter the registry. */
+  release_unlinked(unlinked);
+  if (released != NULL) *released = count;
+  return STASH_OK;
+}
+
+const char *stash_status_message(stash_status status) {
+  switch (status) {
+    case STASH_OK: return "ok";
+    case STASH_ERR_ARGUMENT: return "invalid argument: a required pointer or callback is NULL";
+    case STASH_ERR_RANK: return "invalid key rank: must be between 0 and STASH_MAX_RANK";
+    case STASH_ERR_DUPLICATE: return "a record is already held under this key";
+    case STASH_ERR_MISSING: return "no record is held under this key";
+    case STASH_ERR_NOMEM: return "out of memory";
+    case STASH_ERR_BUDGET: return "the entry would pass the budget (max_bytes)";
+  }
+  return "unknown status";
+}
+
 stash_status stash_registry_create(stash_registry **out) {
   if (out == NULL) return STASH_ERR_ARGUMENT;
   *out = NULL;
   stash_registry *r = calloc(1, sizeof *r);
   if (r == NULL) return STASH_ERR_NOMEM;
   r->bucket_count = INITIAL_BUCKETS;
+  r->next_id = 1;
+  r->stats.max_bytes = UINT64_MAX;
   r->buckets = calloc(r->bucket_count, sizeof(stash_node *));
   /* pthread_mutex_init fails only for lack of resources: report it as NOMEM. */
   if (r->buckets == NULL || pthread_mutex_init(&r->mutex, NULL) != 0) {
@@ -121,145 +242,6 @@ stash_status stash_registry_create(stash_registry **out) {
   }
   *out = r;
   return STASH_OK;
-}
-
-stash_status stash_keep(stash_registry *registry, const stash_key *key, stash_entry entry) {
-  if (registry == NULL) return STASH_ERR_ARGUMENT;
-  stash_status status = check_key(key);
-  if (status != STASH_OK) return status;
-
-  pthread_mutex_lock(&registry->mutex);
-  if (*find_link(registry, key) != NULL) {
-    pthread_mutex_unlock(&registry->mutex);
-    return STASH_ERR_DUPLICATE; /* the caller keeps `entry`: not ours to release */
-  }
-  stash_node *node = malloc(sizeof *node);
-  if (node == NULL) {
-    pthread_mutex_unlock(&registry->mutex);
-    return STASH_ERR_NOMEM;
-  }
-  node->key = *key;
-  node->entry = entry;
-  /* Grow past a load factor of 3/4 (entries / buckets), before linking. */
-  if (registry->stats.entries + 1 > registry->bucket_count / 4 * 3) try_grow(registry);
-  stash_node **head = &registry->buckets[bucket_of(key->anchor, registry->bucket_count)];
-  node->next = *head;
-  *head = node;
-
-  stash_stats *s = &registry->stats;
-  s->entries += 1;
-  s->bytes += entry.bytes;
-  if (s->bytes > s->peak_bytes) s->peak_bytes = s->bytes;
-  s->keeps += 1;
-  pthread_mutex_unlock(&registry->mutex);
-  return STASH_OK;
-}
-
-stash_status stash_take(stash_registry *registry, const stash_key *key, stash_entry *out) {
-  if (registry == NULL || out == NULL) return STASH_ERR_ARGUMENT;
-  stash_status status = check_key(key);
-  if (status != STASH_OK) return status; /* a malformed key is no miss */
-
-  pthread_mutex_lock(&registry->mutex);
-  stash_node **link = find_link(registry, key);
-  stash_node *node = *link;
-  if (node == NULL) {
-    registry->stats.misses += 1;
-    pthread_mutex_unlock(&registry->mutex);
-    return STASH_ERR_MISSING;
-  }
-  *link = node->next;
-  registry->stats.entries -= 1;
-  registry->stats.bytes -= node->entry.bytes;
-  registry->stats.takes += 1;
-  pthread_mutex_unlock(&registry->mutex);
-
-  *out = node->entry;
-  free(node);
-  return STASH_OK;
-}
-
-/* Which entries a release drops: one anchor, a caller's predicate, or all. */
-typedef struct matcher {
-  enum { MATCH_ANCHOR, MATCH_PREDICATE, MATCH_ALL } kind;
-  uintptr_t anchor;
-  stash_predicate_fn predicate;
-  void *context;
-} matcher;
-
-static int matches(const matcher *m, const stash_node *node) {
-  switch (m->kind) {
-    case MATCH_ANCHOR: return node->key.anchor == m->anchor;
-    case MATCH_PREDICATE: return m->predicate(&node->key, &node->entry, m->context) != 0;
-    case MATCH_ALL: return 1;
-  }
-  return 0;
-}
-
-/* Moves the matching nodes of one bucket onto *dropped and uncounts them.
- * Called with the lock held. */
-static size_t unlink_matching(stash_registry *r, size_t bucket, const matcher *m,
-                              stash_node **dropped) {
-  size_t count = 0;
-  stash_node **link = &r->buckets[bucket];
-  while (*link != NULL) {
-    stash_node *node = *link;
-    if (!matches(m, node)) {
-      link = &node->next;
-      continue;
-    }
-    *link = node->next;
-    node->next = *dropped;
-    *dropped = node;
-    r->stats.entries -= 1;
-    r->stats.bytes -= node->entry.bytes;
-    r->stats.released_unused += 1;
-    count += 1;
-  }
-  return count;
-}
-
-/* The shared body of release_anchor, release_if and clear. */
-static stash_status release_matching(stash_registry *r, const matcher *m, size_t *released) {
-  stash_node *dropped = NULL;
-  size_t count = 0;
-
-  pthread_mutex_lock(&r->mutex);
-  if (m->kind == MATCH_ANCHOR) {
-    count = unlink_matching(r, bucket_of(m->anchor, r->bucket_count), m, &dropped);
-  } else {
-    for (size_t b = 0; b < r->bucket_count; ++b) count += unlink_matching(r, b, m, &dropped);
-  }
-  pthread_mutex_unlock(&r->mutex);
-
-  /* Outside the lock: a callback may re-enter the registry. */
-  while (dropped != NULL) {
-    stash_node *next = dropped->next;
-    if (dropped->entry.release != NULL) dropped->entry.release(dropped->entry.payload);
-    free(dropped);
-    dropped = next;
-  }
-  if (released != NULL) *released = count;
-  return STASH_OK;
-}
-
-stash_status stash_release_anchor(stash_registry *registry, uintptr_t anchor, size_t *released) {
-  if (registry == NULL) return STASH_ERR_ARGUMENT;
-  matcher m = {MATCH_ANCHOR, anchor, NULL, NULL};
-  return release_matching(registry, &m, released);
-}
-
-stash_status stash_release_if(stash_registry *registry, stash_predicate_fn predicate, void *context,
-                              size_t *released) {
-  if (registry == NULL || predicate == NULL) return STASH_ERR_ARGUMENT;
-  matcher m = {MATCH_PREDICATE, 0, predicate, context};
-  return release_matching(registry, &m, released);
-}
-
-stash_status stash_clear(stash_registry *registry, size_t *released) {
-  if (registry == NULL) return STASH_ERR_ARGUMENT;
-  matcher m = {MATCH_ALL, 0, NULL, NULL};
-  return release_matching(registry, &m, released);
 }
 
 void stash_registry_destroy(stash_registry *registry) {
@@ -276,16 +258,101 @@ void stash_registry_destroy(stash_registry *registry) {
   free(registry);
 }
 
-stash_status stash_peek(stash_registry *registry, const stash_key *key, stash_visit_fn visitor, void *context) {
-  if (registry == NULL || visitor == NULL) return STASH_ERR_ARGUMENT;
+stash_status stash_keep(stash_registry *registry, const stash_key *key, stash_entry entry, uint64_t *id) {
+  return store(registry, key, entry, 0, id);
+}
+
+stash_status stash_decline(stash_registry *registry, const stash_key *key, stash_entry entry, uint64_t *id) {
+  return store(registry, key, entry, 1, id);
+}
+
+stash_status stash_share(stash_registry *registry, const stash_key *key, uint64_t id) {
+  if (registry == NULL) return STASH_ERR_ARGUMENT;
   stash_status status = check_key(key);
   if (status != STASH_OK) return status;
+  if (id == 0) return STASH_ERR_MISSING; /* ids start at 1: no record has id 0 */
 
   pthread_mutex_lock(&registry->mutex);
-  const stash_node *node = *find_link(registry, key);
-  if (node != NULL) visitor(&node->key, &node->entry, context);
+  stash_node *node = *find_link(registry, key, id);
+  if (node == NULL) {
+    status = STASH_ERR_MISSING;
+  } else if (node->entry.retain == NULL || node->refs == UINT32_MAX) {
+    status = STASH_ERR_ARGUMENT;
+  } else {
+    node->refs += 1;
+    if (node->declined) {
+      registry->stats.declined += 1;
+    } else {
+      registry->stats.keeps += 1;
+    }
+  }
   pthread_mutex_unlock(&registry->mutex);
-  return node != NULL ? STASH_OK : STASH_ERR_MISSING;
+  return status;
+}
+
+stash_status stash_take(stash_registry *registry, const stash_key *key, uint64_t id, stash_entry *out,
+                        uint64_t *id_out, int *declined_out) {
+  if (registry == NULL || out == NULL) return STASH_ERR_ARGUMENT;
+  stash_status status = check_key(key);
+  if (status != STASH_OK) return status; /* a malformed key is no miss */
+
+  pthread_mutex_lock(&registry->mutex);
+  stash_node **link = find_link(registry, key, id);
+  stash_node *node = *link;
+  if (node == NULL) {
+    registry->stats.misses += 1;
+    pthread_mutex_unlock(&registry->mutex);
+    return STASH_ERR_MISSING;
+  }
+  *out = node->entry;
+  if (id_out != NULL) *id_out = node->id;
+  if (declined_out != NULL) *declined_out = node->declined;
+  if (!node->declined) registry->stats.replays += 1;
+  int whole = node->refs == 1;
+  if (whole) {
+    *link = node->next;
+    registry->stats.entries -= 1;
+    registry->stats.bytes -= node->entry.bytes;
+  } else {
+    node->refs -= 1;
+    node->entry.retain(node->entry.payload); /* the caller's own reference */
+  }
+  pthread_mutex_unlock(&registry->mutex);
+
+  if (whole) free(node);
+  return STASH_OK;
+}
+
+stash_status stash_release_id(stash_registry *registry, uint64_t id) {
+  if (registry == NULL) return STASH_ERR_ARGUMENT; /* id 0 is found by no record: MISSING */
+  stash_node *unlinked = NULL;
+  stash_status status = STASH_ERR_MISSING;
+
+  pthread_mutex_lock(&registry->mutex);
+  for (size_t b = 0; b < registry->bucket_count && status == STASH_ERR_MISSING; ++b) {
+    for (stash_node **link = &registry->buckets[b]; *link != NULL; link = &(*link)->next) {
+      if ((*link)->id != id) continue;
+      unlinked = drop_one(registry, link);
+      if (unlinked != NULL) unlinked->next = NULL;
+      status = STASH_OK;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&registry->mutex);
+
+  release_unlinked(unlinked);
+  return status;
+}
+
+stash_status stash_release_if(stash_registry *registry, stash_predicate_fn predicate, void *context,
+                              size_t *released) {
+  if (registry == NULL || predicate == NULL) return STASH_ERR_ARGUMENT;
+  return release_matching(registry, predicate, context, released);
+}
+
+stash_status stash_clear(stash_registry *registry, size_t *released) {
+  if (registry == NULL) return STASH_ERR_ARGUMENT;
+  return release_matching(registry, NULL, NULL, released);
 }
 
 stash_status stash_visit(stash_registry *registry, stash_visit_fn visitor, void *context) {
@@ -293,11 +360,27 @@ stash_status stash_visit(stash_registry *registry, stash_visit_fn visitor, void 
   pthread_mutex_lock(&registry->mutex);
   for (size_t b = 0; b < registry->bucket_count; ++b) {
     for (const stash_node *node = registry->buckets[b]; node != NULL; node = node->next) {
-      visitor(&node->key, &node->entry, context);
+      stash_record record = record_of(node);
+      visitor(&record, context);
     }
   }
   pthread_mutex_unlock(&registry->mutex);
   return STASH_OK;
+}
+
+stash_status stash_peek(stash_registry *registry, const stash_key *key, stash_visit_fn visitor, void *context) {
+  if (registry == NULL || visitor == NULL) return STASH_ERR_ARGUMENT;
+  stash_status status = check_key(key);
+  if (status != STASH_OK) return status;
+
+  pthread_mutex_lock(&registry->mutex);
+  const stash_node *node = *find_link(registry, key, 0);
+  if (node != NULL) {
+    stash_record record = record_of(node);
+    visitor(&record, context);
+  }
+  pthread_mutex_unlock(&registry->mutex);
+  return node != NULL ? STASH_OK : STASH_ERR_MISSING;
 }
 
 stash_status stash_get_stats(stash_registry *registry, stash_stats *out) {
@@ -312,6 +395,14 @@ stash_status stash_reset_peak(stash_registry *registry) {
   if (registry == NULL) return STASH_ERR_ARGUMENT;
   pthread_mutex_lock(&registry->mutex);
   registry->stats.peak_bytes = registry->stats.bytes;
+  pthread_mutex_unlock(&registry->mutex);
+  return STASH_OK;
+}
+
+stash_status stash_set_max_bytes(stash_registry *registry, uint64_t max_bytes) {
+  if (registry == NULL) return STASH_ERR_ARGUMENT;
+  pthread_mutex_lock(&registry->mutex);
+  registry->stats.max_bytes = max_bytes;
   pthread_mutex_unlock(&registry->mutex);
   return STASH_OK;
 }

@@ -1,22 +1,39 @@
 /* stash_registry.h: the contract of attnstash's stash registry.
  *
- * A thread-safe map from a key to an opaque entry, kept from an attention
- * forward until its recompute takes it back. Plain C11: it knows nothing of
- * Python or tensors. The owner (attnstash's torch layer) stores a pointer, its
- * size in bytes and a release callback; the registry calls that callback for
- * every entry it drops without handing it back (release_anchor, release_if,
- * clear, destroy), exactly once, and never for an entry handed out by take.
+ * A thread-safe map from a key to a record, kept from an attention forward until
+ * its recompute takes it back. Plain C11: it knows nothing of Python or tensors.
+ * The owner (attnstash's torch layer) stores an entry: a payload pointer, its size
+ * in bytes and two callbacks, retain and release.
  *
- * Keys: (anchor, version, shape, slot). `anchor` is the identity of the tensor
- * that ties a recompute to its first forward (its data pointer), `version` its
- * version counter, `shape` its sizes (rank 0..STASH_MAX_RANK; a larger rank is
- * an error, never a truncation) and `slot` tells apart several entries of one
- * anchor.
+ * Records. Each stored record gets an id, unique for the registry's lifetime (ids
+ * start at 1; 0 means "none" or "any"), and a count of references, one per forward
+ * that keeps it. A forward that repeats one already held under the same key (the
+ * caller has checked that they are interchangeable) shares its record with
+ * stash_share instead of storing a second copy. A record is either kept (it holds
+ * its bytes) or declined (the budget had no room: it holds 0 bytes and tells the
+ * recompute to run attention itself).
  *
- * Errors come back as a stash_status; nothing here aborts, exits or leaks.
- * Every function may be called from any thread. Release callbacks run after the
- * registry's lock is dropped, so they may call back into the registry.
- * Predicates and visitors run under the lock and must not.
+ * Ownership. The registry owns one reference to a record's payload while it holds
+ * the record, however many forwards share it. A take hands out an owned reference:
+ * the registry's own when the record's last forward takes it (the record is
+ * unlinked), or a new one made with `retain` while other forwards still share it.
+ * The registry calls `release` once for each record it drops without handing it out
+ * (release_id of its last forward, release_if, clear, destroy), and never for a
+ * reference it handed out: whoever took it releases it.
+ *
+ * Budget. max_bytes caps the bytes held at any moment (default: no cap). A keep that
+ * would pass it stores nothing and returns STASH_ERR_BUDGET; the caller may then
+ * store a declined record with stash_decline.
+ *
+ * Keys: (anchor, version, shape, slot). `anchor` is the identity of the tensor that
+ * ties a recompute to its first forward (its data pointer), `version` its version
+ * counter, `shape` its sizes (rank 0..STASH_MAX_RANK; a larger rank is an error,
+ * never a truncation) and `slot` tells apart several attention calls of one anchor.
+ *
+ * Errors come back as a stash_status; nothing here aborts, exits or leaks. Every
+ * function may be called from any thread. Release callbacks run after the
+ * registry's lock is dropped, so they may call back into the registry. Retain
+ * callbacks, predicates and visitors run under the lock and must not.
  */
 #ifndef ATTNSTASH_STASH_REGISTRY_H
 #define ATTNSTASH_STASH_REGISTRY_H
@@ -35,34 +52,54 @@ typedef struct stash_key {
   int64_t version;                /* the anchor's version counter */
   int32_t rank;                   /* number of valid sizes in shape */
   int64_t shape[STASH_MAX_RANK];  /* sizes; entries past rank are ignored */
-  int64_t slot;                   /* which entry of this anchor */
+  int64_t slot;                   /* which attention call of this anchor */
 } stash_key;
 
-typedef void (*stash_release_fn)(void *payload);
+typedef void (*stash_payload_fn)(void *payload);
 
 typedef struct stash_entry {
-  void *payload;             /* owned by the registry while held */
-  size_t bytes;              /* counted in stats while held */
-  stash_release_fn release;  /* drops payload when the registry discards it; may be NULL */
+  void *payload;             /* one reference is owned by the registry while held */
+  size_t bytes;              /* counted in stats while held (declined records: 0) */
+  stash_payload_fn retain;   /* adds a reference to payload; may be NULL if never shared */
+  stash_payload_fn release;  /* drops a reference to payload; may be NULL */
 } stash_entry;
 
+/* A held record, as predicates and visitors see it (under the lock). */
+typedef struct stash_record {
+  const stash_key *key;
+  const stash_entry *entry;
+  uint64_t id;
+  uint32_t refs;   /* forwards that share it, >= 1 */
+  int declined;    /* non-zero: stored by stash_decline */
+} stash_record;
+
+/* The counters, each with its meaning: the one list that every layer above reads
+ * (C++ names them from it, Python gets them as a dict). X(name, "meaning"). */
+#define STASH_STATS_FIELDS(X)                                                                      \
+  X(entries, "records held now (forwards that repeat one another share one)")                      \
+  X(bytes, "bytes held now")                                                                       \
+  X(peak_bytes, "most bytes held at once since the stash was created or its peak was reset")       \
+  X(max_bytes, "the budget: most bytes held at once (none: UINT64_MAX in C, -1 in C++ and Python)") \
+  X(keeps, "forwards whose attention output and log-sum-exp were kept")                             \
+  X(declined, "forwards whose keep the budget declined: their recompute runs attention itself")    \
+  X(replays, "recomputes that took a kept output back instead of running attention")               \
+  X(misses, "recomputes that looked for a kept output and found none")                             \
+  X(released_unused, "forwards whose record was dropped without a recompute (graph dropped, cleared)")
+
 typedef struct stash_stats {
-  size_t entries;            /* entries held now */
-  size_t bytes;              /* bytes held now */
-  size_t peak_bytes;         /* most bytes held at once since creation or stash_reset_peak */
-  uint64_t keeps;            /* successful keeps */
-  uint64_t takes;            /* successful takes */
-  uint64_t misses;           /* takes that found no entry */
-  uint64_t released_unused;  /* entries dropped without being taken */
+#define STASH_STATS_MEMBER(name, meaning) uint64_t name;
+  STASH_STATS_FIELDS(STASH_STATS_MEMBER)
+#undef STASH_STATS_MEMBER
 } stash_stats;
 
 typedef enum stash_status {
   STASH_OK = 0,
-  STASH_ERR_ARGUMENT = 1,    /* a NULL registry, key, entry or output pointer */
+  STASH_ERR_ARGUMENT = 1,    /* a NULL registry, key, entry, callback or output pointer */
   STASH_ERR_RANK = 2,        /* key rank < 0 or > STASH_MAX_RANK */
-  STASH_ERR_DUPLICATE = 3,   /* keep: an entry is already held under this key */
-  STASH_ERR_MISSING = 4,     /* take: no entry is held under this key */
-  STASH_ERR_NOMEM = 5        /* an allocation failed; nothing was changed */
+  STASH_ERR_DUPLICATE = 3,   /* keep/decline: a record is already held under this key */
+  STASH_ERR_MISSING = 4,     /* no record is held under this key (with this id) */
+  STASH_ERR_NOMEM = 5,       /* an allocation failed; nothing was changed */
+  STASH_ERR_BUDGET = 6       /* keep: the entry would pass max_bytes; nothing was stored */
 } stash_status;
 
 /* A static, human-readable description of a status ("unknown status" if out of range). */
@@ -70,36 +107,51 @@ const char *stash_status_message(stash_status status);
 
 typedef struct stash_registry stash_registry;
 
-/* Create an empty registry in *out. */
+/* Create an empty registry in *out, with no budget. */
 stash_status stash_registry_create(stash_registry **out);
 
-/* Release every held entry (as stash_clear) and free the registry. NULL is a no-op. */
+/* Release every held record (as stash_clear) and free the registry. NULL is a no-op. */
 void stash_registry_destroy(stash_registry *registry);
 
-/* Store `entry` under `key`. On any error nothing is stored and the caller still owns entry. */
-stash_status stash_keep(stash_registry *registry, const stash_key *key, stash_entry entry);
+/* Store `entry` under `key` as a kept record; *id (may be NULL) receives its id. On any
+ * error nothing is stored and the caller still owns its reference to the payload. */
+stash_status stash_keep(stash_registry *registry, const stash_key *key, stash_entry entry, uint64_t *id);
 
-/* Remove the entry under `key` into *out; the caller now owns it. A missing key counts a miss. */
-stash_status stash_take(stash_registry *registry, const stash_key *key, stash_entry *out);
+/* Store `entry` under `key` as a declined record (its bytes are not counted), as stash_keep
+ * does otherwise; never refused by the budget. */
+stash_status stash_decline(stash_registry *registry, const stash_key *key, stash_entry entry, uint64_t *id);
 
-/* Release every entry whose key has this anchor, whatever its version, shape and slot.
- * `released` (may be NULL) receives how many were released. */
-stash_status stash_release_anchor(stash_registry *registry, uintptr_t anchor, size_t *released);
+/* One more forward shares the record with this key and id: its reference count grows by
+ * one, and keeps (or declined) by one. STASH_ERR_MISSING if there is no such record;
+ * STASH_ERR_ARGUMENT if its entry has no retain callback. */
+stash_status stash_share(stash_registry *registry, const stash_key *key, uint64_t id);
 
-/* Release every entry for which `predicate` returns non-zero. */
-typedef int (*stash_predicate_fn)(const stash_key *key, const stash_entry *entry, void *context);
+/* Take one reference of the record under `key` (and with this id, unless id is 0) into
+ * *out, which the caller now owns; *id_out and *declined_out (each may be NULL) receive the
+ * record's id and whether it is declined. The record is unlinked with its last reference.
+ * A missing record counts a miss. */
+stash_status stash_take(stash_registry *registry, const stash_key *key, uint64_t id, stash_entry *out,
+                        uint64_t *id_out, int *declined_out);
+
+/* Drop one reference of the record with this id, wherever it is held (it is unlinked with
+ * its last reference). STASH_ERR_MISSING, and no miss counted, if there is none. */
+stash_status stash_release_id(stash_registry *registry, uint64_t id);
+
+/* Drop every record (all its references) for which `predicate` returns non-zero.
+ * `released` (may be NULL) receives how many records were dropped. */
+typedef int (*stash_predicate_fn)(const stash_record *record, void *context);
 stash_status stash_release_if(stash_registry *registry, stash_predicate_fn predicate, void *context,
                               size_t *released);
 
-/* Release every entry. */
+/* Drop every record. */
 stash_status stash_clear(stash_registry *registry, size_t *released);
 
-/* Call `visitor` on each held entry (read-only), in no particular order. */
-typedef void (*stash_visit_fn)(const stash_key *key, const stash_entry *entry, void *context);
+/* Call `visitor` on each held record (read-only), in no particular order. */
+typedef void (*stash_visit_fn)(const stash_record *record, void *context);
 stash_status stash_visit(stash_registry *registry, stash_visit_fn visitor, void *context);
 
-/* Call `visitor` on the entry under `key`, which stays held; STASH_ERR_MISSING if there is
- * none (not counted as a miss). The visitor runs under the lock. */
+/* Call `visitor` on the record under `key`, which stays held; STASH_ERR_MISSING if there is
+ * none (not counted as a miss). */
 stash_status stash_peek(stash_registry *registry, const stash_key *key, stash_visit_fn visitor, void *context);
 
 /* Copy the counters into *out. */
@@ -107,6 +159,10 @@ stash_status stash_get_stats(stash_registry *registry, stash_stats *out);
 
 /* Set peak_bytes to the bytes held now (to measure one phase of a run). */
 stash_status stash_reset_peak(stash_registry *registry);
+
+/* Set the budget (UINT64_MAX: no cap). Records already held stay, even above it; until
+ * the bytes held fall below the budget, every keep is refused. */
+stash_status stash_set_max_bytes(stash_registry *registry, uint64_t max_bytes);
 
 #ifdef __cplusplus
 }

@@ -4,29 +4,38 @@
 // are new allocations in the recompute, and the caching allocator reuses addresses,
 // so they cannot identify a forward. The decoder layer's input can: a reentrant
 // recompute receives a detached alias of it (same storage, data pointer and version
-// counter). A recompute therefore takes only what its own first forward kept.
+// counter), a non-reentrant one the tensor itself. A recompute therefore takes only what
+// its own first forward kept (or, when one anchor went through the same attention twice
+// before either recompute, a forward that was bitwise the same).
+//
+// Kernels: sdpa_device.cpp (CPU, CUDA), sdpa_autograd.cpp (Autograd), sdpa_autocast.cpp
+// (AutocastCPU, AutocastCUDA); the stash ops below are plain functions (stash_entries.cpp).
 #include <torch/library.h>
 
-#include "stash.h"
+#include "stash_entries.h"
 
 TORCH_LIBRARY(attnstash, m) {
   // Fake (meta) kernels live in Python, in attnstash/ops.py.
   m.set_python_module("attnstash.ops");
 
-  // F.scaled_dot_product_attention that, in a reentrant checkpoint's first forward
-  // (grad off, anchor requires grad), keeps its output and log-sum-exp under
-  // (anchor, slot), and in the recompute (grad on, inside backward) replays them.
+  // F.scaled_dot_product_attention that, in an activation checkpoint's first forward,
+  // keeps its output and log-sum-exp for (anchor, slot) (or, over the budget, a declined
+  // record), and in the recompute hands them back instead of running attention:
+  // reentrant checkpointing (first forward: grad off) and non-reentrant checkpointing
+  // (first forward: grad on, under the checkpoint's saved-tensor hooks) alike. Anywhere
+  // else it is exactly F.sdpa and keeps nothing.
   m.def(
       "sdpa_fwd_keep(Tensor query, Tensor key, Tensor value, Tensor anchor, int slot, Tensor? attn_mask=None, "
       "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False) -> Tensor");
-  // Takes what sdpa_fwd_keep kept for (anchor, slot) and returns it as a node whose
-  // backward is the kept backend's derivative. Never runs the attention forward.
+  // The recompute half on its own: takes what sdpa_fwd_keep kept for (anchor, slot) and
+  // returns it as a node whose backward is the kept backend's derivative. Never runs the
+  // attention forward (but for a declined record, whose recompute runs it as usual).
   m.def(
       "sdpa_replay(Tensor query, Tensor key, Tensor value, Tensor anchor, int slot, Tensor? attn_mask=None, "
       "float dropout_p=0.0, bool is_causal=False, float? scale=None, bool enable_gqa=False) -> Tensor");
 
-  // The two halves of sdpa_replay's autograd node, as ops so that torch.compile can
-  // trace it: the take (kept output, log-sum-exp, CPU int64 [backend, max_q, max_k,
+  // The two halves of the reentrant replay's autograd node, as ops so that torch.compile
+  // can trace it: the take (kept output, log-sum-exp, CPU int64 [backend, max_q, max_k,
   // bitmask of defined extras], and the backend's extra tensors) ...
   m.def(
       "_replay_take(Tensor query, Tensor key, Tensor value, Tensor anchor, int slot, Tensor? attn_mask, "
@@ -39,15 +48,23 @@ TORCH_LIBRARY(attnstash, m) {
       "Tensor logsumexp, Tensor info, Tensor[] extra, float dropout_p, bool is_causal, float? scale, bool enable_gqa) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
 
-  // The stash itself, for attnstash.stash_stats() and friends (Python: attnstash/ops.py).
-  // [entries, bytes, peak_bytes, keeps, replays, misses, released_unused]
-  m.def("stash_stats() -> int[]", &attnstash::stats_counters);
-  // Releases every kept entry; returns how many.
-  m.def("stash_clear() -> int", &attnstash::clear_entries);
-  // Releases every entry of the anchor with this data pointer (it has been freed); returns how many.
-  m.def("stash_release_anchor(int data_ptr) -> int", &attnstash::release_anchor_entries);
-  // [slot, entries, bytes] for each slot that holds something.
-  m.def("stash_held_by_slot() -> int[]", &attnstash::held_by_slot);
+  // The stash itself (Python: attnstash/ops.py). Its counters by name, as
+  // csrc/stash_registry.h's STASH_STATS_FIELDS defines them (max_bytes -1: no budget) ...
+  m.def("stash_stats() -> Dict(str, int)", &attnstash::stash_stats);
+  // ... and what each counter means.
+  m.def("stash_stats_meanings() -> Dict(str, str)", &attnstash::stash_stats_meanings);
+  // Releases every record; returns how many.
+  m.def("stash_clear() -> int", &attnstash::stash_clear);
   // Sets peak_bytes to the bytes held now.
-  m.def("stash_reset_peak() -> ()", &attnstash::reset_peak_bytes);
+  m.def("stash_reset_peak() -> ()", &attnstash::stash_reset_peak);
+  // Sets the budget: the most bytes the stash holds at once (negative: no budget). A keep
+  // that would pass it is declined: that layer's recompute runs attention as usual.
+  m.def("stash_set_max_bytes(int max_bytes) -> ()", &attnstash::stash_set_max_bytes);
+  // [slot, entries, bytes] for each slot that holds something.
+  m.def("stash_held_by_slot() -> int[]", &attnstash::stash_held_by_slot);
+  // The id of the record held for (anchor, slot), 0 if none: what a forward's owner holds.
+  m.def("stash_entry_id(Tensor anchor, int slot) -> int", &attnstash::stash_entry_id);
+  // Releases one forward's reference of record `id` (its graph was dropped without a
+  // backward); whether it was held.
+  m.def("stash_release(int id) -> bool", &attnstash::stash_release);
 }

@@ -1,6 +1,7 @@
-// The Autograd dispatch key: where the phase of an attention call is decided, and
-// the replay node whose backward is exactly PyTorch's derivative of the kept forward.
-#include "sdpa_stash.h"
+// The Autograd dispatch key: where the phase of an attention call is decided, and the
+// two nodes whose backward is exactly PyTorch's derivative of the kept forward: one for
+// a reentrant recompute, one for a non-reentrant checkpoint's first forward.
+#include "keep_replay.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -33,15 +34,21 @@ SdpaCall saved_call(AutogradContext* ctx, const at::Tensor& query, const at::Ten
                   ctx->saved_data["enable_gqa"].toBool()};
 }
 
+std::optional<at::Tensor> optional_mask(const at::Tensor& saved) {
+  return saved.defined() ? std::optional<at::Tensor>(saved) : std::nullopt;
+}
+
 c10::OperatorHandle op_named(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
-// Returns the kept output as a node of the recompute's graph. Its forward never runs
-// attention (it takes from the stash); its backward calls the kept backend's backward
-// with the recompute's query/key/value and the kept output and log-sum-exp, as
-// PyTorch's derivative does. Both halves are ops, so torch.compile can trace the node.
-struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
+// Reentrant checkpointing: the recompute's own nodes run backward. This one returns the
+// kept output as a node of the recompute's graph: its forward never runs attention (it
+// takes from the stash; a declined record runs the kept backend's forward, as the normal
+// recompute would), its backward calls the kept backend's backward with the recompute's
+// query/key/value and the kept output and log-sum-exp, as PyTorch's derivative does. Both
+// halves are ops, so torch.compile can trace the node.
+struct ReentrantReplayFunction : public torch::autograd::Function<ReentrantReplayFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
                             const at::Tensor& value, const at::Tensor& anchor, int64_t slot,
                             const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
@@ -59,8 +66,7 @@ struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
     }
     // The caller's mask, as it came: _replay_backward makes it what the kept backend got.
     // (Saving the additive one would hold a new [B, 1, Sq, Sk] tensor until backward.)
-    at::Tensor mask = attn_mask.value_or(at::Tensor());
-    variable_list saved = {query, key, value, mask, output, logsumexp, info};
+    variable_list saved = {query, key, value, attn_mask.value_or(at::Tensor()), output, logsumexp, info};
     saved.insert(saved.end(), extra.begin(), extra.end());
     ctx->save_for_backward(saved);
     save_flags(ctx, dropout_p, is_causal, scale, enable_gqa);
@@ -79,10 +85,8 @@ struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) return grad_inputs;  // the fused backwards do not check this themselves
     variable_list saved = ctx->get_saved_variables();
-    std::optional<at::Tensor> mask;
-    if (saved[3].defined()) mask = saved[3];
     std::vector<at::Tensor> extra(saved.begin() + 7, saved.end());
-    SdpaCall c = saved_call(ctx, saved[0], saved[1], saved[2], mask);
+    SdpaCall c = saved_call(ctx, saved[0], saved[1], saved[2], optional_mask(saved[3]));
     std::tie(grad_inputs[0], grad_inputs[1], grad_inputs[2]) =
         backward_op.call(grad, c.query, c.key, c.value, c.attn_mask, saved[4], saved[5], saved[6], extra, c.dropout_p,
                          c.is_causal, c.scale, c.enable_gqa);
@@ -92,21 +96,45 @@ struct ReplayFunction : public torch::autograd::Function<ReplayFunction> {
 
 // Non-reentrant checkpointing: the first forward's own node is the one whose backward
 // runs, and the recompute only refills the tensors it saved. So the first forward keeps
-// output and log-sum-exp in the stash (out of the checkpoint's reach) and saves only
-// query, key, value and mask, which the checkpoint frees and refills; the recompute runs
-// the same node over the kept output, saving the same tensors, without running attention;
-// and the first forward's backward takes the entry and calls the kept backend's backward.
-struct KeptGraphFunction : public torch::autograd::Function<KeptGraphFunction> {
+// output and log-sum-exp in the stash (out of the checkpoint's reach), owned by this node
+// (a graph dropped without a backward releases them with it), and saves only query, key,
+// value and mask, which the checkpoint frees and refills; the recompute runs the same node
+// over the kept output, saving the same tensors, without running attention; and the first
+// forward's backward takes the entry and calls the kept backend's backward. A declined
+// keep saves output, log-sum-exp and extras as F.sdpa's own node would: the checkpoint
+// frees them, and the recompute runs the forward again to refill them.
+struct NonReentrantKeepFunction : public torch::autograd::Function<NonReentrantKeepFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
                             const at::Tensor& value, const at::Tensor& anchor, int64_t slot,
                             const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                             std::optional<double> scale, bool enable_gqa, bool recompute) {
     SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
-    at::Tensor output = recompute ? output_for_recompute(call, anchor, slot)
-                                  : keep_forward(call, anchor, slot, /*with_graph=*/true);
-    ctx->save_for_backward({query, key, value, attn_mask.value_or(at::Tensor())});
-    ctx->saved_data["anchor"] = anchor.detach();  // the key to take in backward (not checkpointed)
-    ctx->saved_data["slot"] = slot;
+    KeptAttention attention;
+    bool declined = false;
+    if (recompute) {
+      KeptPtr held = peek_for_recompute(call, anchor, slot);
+      TORCH_CHECK(held, "attnstash::sdpa_fwd_keep: the output kept for this anchor and slot ", slot,
+                  " disappeared during its recompute (was the stash cleared from another thread?).");
+      declined = held->declined;
+      attention = declined ? run_forward(*held->attention.backend, call) : held->attention;
+    } else {
+      KeptForward kept = keep_forward(call, anchor, slot, /*non_reentrant=*/true);
+      attention = kept.attention;
+      declined = kept.declined;
+      // Only the first forward's node owns the record: the recompute's graph is discarded.
+      ctx->saved_data["owner"] = c10::IValue::make_capsule(c10::make_intrusive<EntryOwner>(kept.key, kept.id));
+    }
+    // A detached alias when kept: the node must not take over the stash's tensor.
+    at::Tensor output = declined ? attention.output : attention.output.detach();
+    variable_list saved = {query, key, value, attn_mask.value_or(at::Tensor())};
+    if (declined) {
+      saved.push_back(output);
+      saved.push_back(attention.logsumexp);
+      saved.insert(saved.end(), attention.extra.begin(), attention.extra.end());
+    }
+    ctx->save_for_backward(saved);
+    ctx->saved_data["max_q"] = attention.max_q;
+    ctx->saved_data["max_k"] = attention.max_k;
     save_flags(ctx, dropout_p, is_causal, scale, enable_gqa);
     ctx->set_materialize_grads(false);
     return output;
@@ -117,15 +145,22 @@ struct KeptGraphFunction : public torch::autograd::Function<KeptGraphFunction> {
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) return grad_inputs;
     variable_list saved = ctx->get_saved_variables();
-    std::optional<at::Tensor> mask;
-    if (saved[3].defined()) mask = saved[3];
-    SdpaCall call = saved_call(ctx, saved[0], saved[1], saved[2], mask);
-    // Checked against the caller's mask; the backend gets it as the fused op got it. The
-    // backend is this forward's own, whatever sdpa_kernel context the backward runs in.
-    std::unique_ptr<KeptEntry> entry = take_for_replay(call, ctx->saved_data["anchor"].toTensor(),
-                                                       ctx->saved_data["slot"].toInt(), /*check_backend=*/false);
-    const KeptAttention& kept = entry->attention;
-    std::optional<at::Tensor> fused = fused_attn_mask(mask, call.query, *kept.backend);
+    SdpaCall call = saved_call(ctx, saved[0], saved[1], saved[2], optional_mask(saved[3]));
+    auto owner = c10::static_intrusive_pointer_cast<EntryOwner>(ctx->saved_data["owner"].toCapsule());
+    KeptPtr entry = take_owned(call, *owner);
+    KeptAttention kept;
+    if (entry->declined) {  // what the recompute refilled
+      kept.backend = entry->attention.backend;
+      kept.output = saved[4];
+      kept.logsumexp = saved[5];
+      kept.extra.assign(saved.begin() + 6, saved.end());
+      kept.max_q = ctx->saved_data["max_q"].toInt();
+      kept.max_k = ctx->saved_data["max_k"].toInt();
+    } else {
+      kept = entry->attention;
+    }
+    // Checked against the caller's mask; the backend gets it as the fused op got it.
+    std::optional<at::Tensor> fused = fused_attn_mask(call.attn_mask, call.query, *kept.backend);
     SdpaCall fused_call{call.query, call.key, call.value, fused, call.dropout_p, call.is_causal, call.scale,
                         call.enable_gqa};
     std::tie(grad_inputs[0], grad_inputs[1], grad_inputs[2]) = kept.backend->backward(grad, fused_call, kept);
@@ -136,29 +171,31 @@ struct KeptGraphFunction : public torch::autograd::Function<KeptGraphFunction> {
 at::Tensor sdpa_replay_autograd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                 const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
                                 double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  return ReplayFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  return ReentrantReplayFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
+                                        enable_gqa);
 }
 
 at::Tensor sdpa_fwd_keep_autograd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                   const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
                                   double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
-  switch (phase_of(anchor)) {
+  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  switch (phase_of(call, anchor)) {
     case Phase::recompute:
       // Traced (torch.compile), the reentrant replay is the one that can be: both its
-      // halves are ops. A non-reentrant recompute under torch.compile is refused below.
-      if (!traced(anchor) && kept_with_graph(anchor, slot))  // non-reentrant: refill, keep holding
-        return KeptGraphFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
-                                        enable_gqa, /*recompute=*/true);
+      // halves are ops. A non-reentrant first forward under torch.compile is refused below.
+      if (!traced(anchor) && held_by_non_reentrant(anchor, slot))  // non-reentrant: refill, keep holding
+        return NonReentrantKeepFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal,
+                                               scale, enable_gqa, /*recompute=*/true);
       return sdpa_replay_autograd(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
                                   enable_gqa);
-    case Phase::graph_forward:
+    case Phase::non_reentrant_first_forward:
       TORCH_CHECK(!traced(query) && !traced(anchor),
                   "attnstash::sdpa_fwd_keep: torch.compile is tracing the activation checkpoint itself (it turns "
                   "torch.utils.checkpoint, reentrant or not, into its own recomputation), where nothing can be "
                   "kept. Compile the checkpointed function and checkpoint the compiled one: "
                   "checkpoint(torch.compile(block), x, use_reentrant=True).");
-      return KeptGraphFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
-                                      enable_gqa, /*recompute=*/false);
+      return NonReentrantKeepFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
+                                             enable_gqa, /*recompute=*/false);
     case Phase::plain:
       if (at::GradMode::is_enabled()) {  // an ordinary differentiable call: F.sdpa's own graph
         // Traced so, with an anchor that requires grad: some torch versions (2.11) trace an
@@ -170,10 +207,10 @@ at::Tensor sdpa_fwd_keep_autograd(const at::Tensor& query, const at::Tensor& key
                      "plain attention and nothing is kept. If torch.compile is tracing an activation checkpoint "
                      "around it, compile the checkpointed function and checkpoint the compiled one instead: "
                      "checkpoint(torch.compile(block), x, use_reentrant=True).");
-        return sdpa_plain({query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa});
+        return sdpa_plain(call);
       }
       break;
-    case Phase::first_forward:
+    case Phase::reentrant_first_forward:
       break;
   }
   // No graph to record: the device kernel decides between keeping and a plain call.

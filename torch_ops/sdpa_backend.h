@@ -15,12 +15,13 @@
 
 namespace attnstash {
 
-// The arguments of one SDPA call, as F.scaled_dot_product_attention takes them.
+// The arguments of one SDPA call, as F.scaled_dot_product_attention takes them. (Held by
+// value: a call outlives the expressions that build it.)
 struct SdpaCall {
-  const at::Tensor& query;  // [batch, heads, seq_q, head_dim]
-  const at::Tensor& key;    // [batch, kv_heads, seq_k, head_dim]
-  const at::Tensor& value;  // [batch, kv_heads, seq_k, head_dim_v]
-  const std::optional<at::Tensor>& attn_mask;
+  at::Tensor query;  // [batch, heads, seq_q, head_dim]
+  at::Tensor key;    // [batch, kv_heads, seq_k, head_dim]
+  at::Tensor value;  // [batch, kv_heads, seq_k, head_dim_v]
+  std::optional<at::Tensor> attn_mask;
   double dropout_p;
   bool is_causal;
   std::optional<double> scale;

@@ -34,11 +34,9 @@ c10::TypedOperatorHandle<SdpaOpSig> ReplayOp() {
   return op;
 }
 
-// [entries, bytes, peak_bytes, keeps, replays, misses, released_unused]
-enum Stat { kEntries = 0, kBytes, kPeakBytes, kKeeps, kReplays, kMisses, kReleasedUnused, kNumStats };
-
-std::vector<int64_t> StashStats() {
-  static auto op = Op("attnstash::stash_stats").typed<std::vector<int64_t>()>();
+// The stash's counters by name (csrc/stash_registry.h's STASH_STATS_FIELDS).
+c10::Dict<std::string, int64_t> StashStats() {
+  static auto op = Op("attnstash::stash_stats").typed<c10::Dict<std::string, int64_t>()>();
   return op.call();
 }
 int64_t StashClear() {
@@ -88,13 +86,12 @@ class AttnstashOps : public ::testing::Test {
     at::manual_seed(0);
     StashClear();
     before_ = StashStats();
-    ASSERT_EQ(before_.size(), static_cast<size_t>(kNumStats));
-    ASSERT_EQ(before_[kEntries], 0);
+    ASSERT_EQ(before_.at("entries"), 0);
   }
   void TearDown() override { EXPECT_EQ(StashClear(), 0) << "the test left kept attention outputs in the stash"; }
 
   // How much a counter has grown since SetUp (entries/bytes: the value now).
-  int64_t Delta(Stat s) const { return StashStats()[s] - before_[s]; }
+  int64_t Delta(const char* name) const { return StashStats().at(name) - before_.at(name); }
 
   // Runs a first forward (grad off, anchor requires grad), checks that it kept its
   // output and that this output is bitwise F.sdpa's, then releases the kept entry.
@@ -106,15 +103,15 @@ class AttnstashOps : public ::testing::Test {
       kept = FwdKeep(a, anchor, /*slot=*/3);
       expected = PlainSdpa(a);
     }
-    EXPECT_EQ(Delta(kKeeps), 1) << "the first forward kept nothing";
-    EXPECT_EQ(Delta(kEntries), 1);
+    EXPECT_EQ(Delta("keeps"), 1) << "the first forward kept nothing";
+    EXPECT_EQ(Delta("entries"), 1);
     ASSERT_EQ(kept.sizes(), expected.sizes());
     EXPECT_EQ(kept.scalar_type(), expected.scalar_type());
     EXPECT_TRUE(at::equal(kept, expected)) << "max |diff| = " << (kept - expected).abs().max().item<float>();
     EXPECT_EQ(StashClear(), 1);  // the one kept entry, so TearDown finds the stash empty
   }
 
-  std::vector<int64_t> before_;
+  c10::Dict<std::string, int64_t> before_;
 };
 
 // --- registration --------------------------------------------------------------
@@ -129,19 +126,20 @@ TEST_F(AttnstashOps, OpsAreRegisteredWithCpuAndAutogradKernelsAndCallableFromCpp
     // Registered for the Autograd alias key, which the dispatch table resolves per backend.
     EXPECT_TRUE(op.hasComputedKernelForDispatchKey(c10::DispatchKey::AutogradCPU));
   }
-  for (const char* name : {"attnstash::stash_stats", "attnstash::stash_clear", "attnstash::stash_release_anchor",
-                           "attnstash::stash_held_by_slot", "attnstash::stash_reset_peak"}) {
+  for (const char* name : {"attnstash::stash_stats", "attnstash::stash_stats_meanings", "attnstash::stash_clear",
+                           "attnstash::stash_reset_peak", "attnstash::stash_set_max_bytes",
+                           "attnstash::stash_held_by_slot", "attnstash::stash_entry_id", "attnstash::stash_release"}) {
     SCOPED_TRACE(name);
     EXPECT_NO_THROW(Op(name));
   }
 
   // Callable: the utilities answer, and the attention op runs.
-  EXPECT_EQ(StashStats().size(), static_cast<size_t>(kNumStats));
+  EXPECT_EQ(StashStats().size(), 9u);
   EXPECT_EQ(StashClear(), 0);
   Attn a = MakeAttn(1, 2, 2, 8, 16, /*is_causal=*/false, /*enable_gqa=*/false);
   at::Tensor out = FwdKeep(a, MakeAnchor(), /*slot=*/0);
   EXPECT_EQ(out.sizes(), a.query.sizes());
-  EXPECT_EQ(Delta(kKeeps), 0);
+  EXPECT_EQ(Delta("keeps"), 0);
 }
 
 // --- the first forward -----------------------------------------------------------
@@ -166,18 +164,18 @@ TEST_F(AttnstashOps, ReplayReturnsTheKeptOutputAndEmptiesTheStash) {
     at::NoGradGuard no_grad;
     kept = FwdKeep(a, anchor, /*slot=*/0);
   }
-  ASSERT_EQ(Delta(kEntries), 1);
+  ASSERT_EQ(Delta("entries"), 1);
   {
     at::NoGradGuard no_grad;
     replayed = Replay(a, anchor, /*slot=*/0);
   }
   EXPECT_EQ(replayed.data_ptr(), kept.data_ptr()) << "the replay did not return the kept output";
   EXPECT_TRUE(at::equal(replayed, kept));
-  EXPECT_EQ(Delta(kEntries), 0);
-  EXPECT_EQ(Delta(kBytes), 0);
-  EXPECT_EQ(Delta(kKeeps), 1);
-  EXPECT_EQ(Delta(kReplays), 1);
-  EXPECT_EQ(Delta(kMisses), 0);
+  EXPECT_EQ(Delta("entries"), 0);
+  EXPECT_EQ(Delta("bytes"), 0);
+  EXPECT_EQ(Delta("keeps"), 1);
+  EXPECT_EQ(Delta("replays"), 1);
+  EXPECT_EQ(Delta("misses"), 0);
 }
 
 TEST_F(AttnstashOps, ReplayWithNothingKeptThrowsNoAttentionOutputIsKept) {
@@ -191,9 +189,9 @@ TEST_F(AttnstashOps, ReplayWithNothingKeptThrowsNoAttentionOutputIsKept) {
     const std::string message = e.what_without_backtrace();
     EXPECT_NE(message.find("no attention output is kept"), std::string::npos) << message;
   }
-  EXPECT_EQ(Delta(kEntries), 0);
-  EXPECT_EQ(Delta(kReplays), 0);
-  EXPECT_EQ(Delta(kMisses), 1);
+  EXPECT_EQ(Delta("entries"), 0);
+  EXPECT_EQ(Delta("replays"), 0);
+  EXPECT_EQ(Delta("misses"), 1);
 }
 
 // --- an ordinary call ----------------------------------------------------------------
@@ -205,8 +203,8 @@ TEST_F(AttnstashOps, WithGradModeOnKeepsNothingAndEqualsSdpa) {
   at::Tensor anchor = MakeAnchor();
   at::Tensor out = FwdKeep(a, anchor, /*slot=*/0);
   at::Tensor expected = PlainSdpa(a);
-  EXPECT_EQ(Delta(kKeeps), 0);
-  EXPECT_EQ(Delta(kEntries), 0);
+  EXPECT_EQ(Delta("keeps"), 0);
+  EXPECT_EQ(Delta("entries"), 0);
   ASSERT_EQ(out.sizes(), expected.sizes());
   EXPECT_TRUE(at::equal(out, expected));
   EXPECT_TRUE(out.requires_grad()) << "an ordinary call must stay differentiable";

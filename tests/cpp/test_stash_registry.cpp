@@ -1,6 +1,7 @@
 // test_stash_registry.cpp: pins the behaviour of the C stash registry
-// (csrc/stash_registry.h): keys, error codes, release callbacks, stats, growth,
-// a random model-based run against std::map, and concurrent use.
+// (csrc/stash_registry.h): keys, ids, error codes, shared records and their
+// reference counts, declined records, the budget, retain and release callbacks,
+// stats, growth, random runs against a std::map model, and concurrent use.
 
 #include <gtest/gtest.h>
 
@@ -9,15 +10,32 @@
 #include <deque>
 #include <iterator>
 #include <map>
-#include <memory>
+#include <ostream>
 #include <random>
 #include <set>
 #include <string>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "stash_registry.h"
+
+// gtest finds these by argument-dependent lookup, so they live in stash_stats's
+// namespace (the global one). Both walk every counter of the X-macro.
+bool operator==(const stash_stats &a, const stash_stats &b) {
+#define STASH_STATS_SAME(name, meaning) \
+  if (a.name != b.name) return false;
+  STASH_STATS_FIELDS(STASH_STATS_SAME)
+#undef STASH_STATS_SAME
+  return true;
+}
+
+void PrintTo(const stash_stats &s, std::ostream *os) {
+#define STASH_STATS_PRINT(name, meaning) *os << " " #name "=" << s.name;
+  STASH_STATS_FIELDS(STASH_STATS_PRINT)
+#undef STASH_STATS_PRINT
+}
 
 namespace {
 
@@ -35,19 +53,22 @@ stash_key MakeKey(uintptr_t anchor, int64_t version, std::vector<int64_t> shape,
   return key;
 }
 
-// A payload that counts how often the registry released it.
+// A payload that counts the callbacks the registry made on it.
 struct Payload {
   int id = 0;
   size_t bytes = 0;
+  std::atomic<int> retains{0};
   std::atomic<int> releases{0};
-  std::atomic<int> takes{0};  // bumped by whoever takes it back (concurrency test)
+  std::atomic<int> takes{0};  // bumped by whoever takes a reference back (concurrency tests)
 };
 
+void CountRetain(void *payload) { static_cast<Payload *>(payload)->retains.fetch_add(1); }
 void CountRelease(void *payload) { static_cast<Payload *>(payload)->releases.fetch_add(1); }
 
-stash_entry EntryFor(Payload &p, stash_release_fn release = CountRelease) {
-  return stash_entry{&p, p.bytes, release};
-}
+stash_entry EntryFor(Payload &p) { return stash_entry{&p, p.bytes, CountRetain, CountRelease}; }
+
+// An entry that may never be shared: it has no retain callback.
+stash_entry UnshareableEntryFor(Payload &p) { return stash_entry{&p, p.bytes, nullptr, CountRelease}; }
 
 // Owns a registry for one test. Declare it after the payloads it will hold:
 // its destructor releases them, so they must still be alive then.
@@ -58,6 +79,11 @@ struct Registry {
   Registry(const Registry &) = delete;
   Registry &operator=(const Registry &) = delete;
   stash_registry *get() const { return r; }
+  // Destroys the registry now, to check what destroy releases.
+  void Destroy() {
+    stash_registry_destroy(r);
+    r = nullptr;
+  }
 };
 
 stash_stats Stats(stash_registry *r) {
@@ -67,10 +93,36 @@ stash_stats Stats(stash_registry *r) {
   return s;
 }
 
-bool StatsEqual(const stash_stats &a, const stash_stats &b) {
-  return a.entries == b.entries && a.bytes == b.bytes && a.peak_bytes == b.peak_bytes &&
-         a.keeps == b.keeps && a.takes == b.takes && a.misses == b.misses &&
-         a.released_unused == b.released_unused;
+// The stats of a registry that never held anything: all zero, and no budget.
+stash_stats FreshStats() {
+  stash_stats s{};
+  s.max_bytes = UINT64_MAX;
+  return s;
+}
+
+// Keeps (or declines) `entry` under `key` and returns the record's id.
+uint64_t Keep(stash_registry *r, const stash_key &key, stash_entry entry) {
+  uint64_t id = 0;
+  EXPECT_EQ(stash_keep(r, &key, entry, &id), STASH_OK);
+  return id;
+}
+uint64_t Decline(stash_registry *r, const stash_key &key, stash_entry entry) {
+  uint64_t id = 0;
+  EXPECT_EQ(stash_decline(r, &key, entry, &id), STASH_OK);
+  return id;
+}
+
+// Everything one stash_take reports; the outputs start as sentinels.
+struct Taken {
+  stash_status status;
+  stash_entry entry;
+  uint64_t id;
+  int declined;
+};
+Taken Take(stash_registry *r, const stash_key &key, uint64_t id = 0) {
+  Taken t{STASH_ERR_NOMEM, stash_entry{nullptr, 777, nullptr, nullptr}, 777, 777};
+  t.status = stash_take(r, &key, id, &t.entry, &t.id, &t.declined);
+  return t;
 }
 
 // The comparable part of a key: only the first `rank` sizes.
@@ -81,25 +133,61 @@ CanonKey Canon(const stash_key &k) {
                   k.slot};
 }
 
-// Everything the registry holds, as key -> payload, read through stash_visit.
-std::map<CanonKey, void *> Contents(stash_registry *r) {
-  std::map<CanonKey, void *> out;
-  size_t visits = 0;
+// A held record as predicates and visitors see it, comparable and printable.
+struct Held {
+  void *payload;
+  uint64_t bytes;
+  uint64_t id;
+  uint32_t refs;
+  bool declined;
+  bool operator==(const Held &o) const {
+    return std::tie(payload, bytes, id, refs, declined) ==
+           std::tie(o.payload, o.bytes, o.id, o.refs, o.declined);
+  }
+};
+void PrintTo(const Held &h, std::ostream *os) {
+  *os << "{payload=" << h.payload << " bytes=" << h.bytes << " id=" << h.id << " refs=" << h.refs
+      << " declined=" << h.declined << "}";
+}
+
+Held HeldOf(const stash_record &r) {
+  return Held{r.entry->payload, r.entry->bytes, r.id, r.refs, r.declined != 0};
+}
+
+// Everything the registry holds, as key -> record, read through stash_visit.
+std::map<CanonKey, Held> Contents(stash_registry *r) {
   struct Ctx {
-    std::map<CanonKey, void *> *out;
-    size_t *visits;
-  } ctx{&out, &visits};
+    std::map<CanonKey, Held> out;
+    size_t visits = 0;
+  } ctx;
   EXPECT_EQ(stash_visit(
                 r,
-                [](const stash_key *k, const stash_entry *e, void *c) {
+                [](const stash_record *rec, void *c) {
                   auto *ctx = static_cast<Ctx *>(c);
-                  (*ctx->visits)++;
-                  ctx->out->emplace(Canon(*k), e->payload);
+                  ctx->visits++;
+                  ctx->out.emplace(Canon(*rec->key), HeldOf(*rec));
                 },
                 &ctx),
             STASH_OK);
-  EXPECT_EQ(visits, out.size()) << "visit reported some key twice";
-  return out;
+  EXPECT_EQ(ctx.visits, ctx.out.size()) << "visit reported some key twice";
+  return ctx.out;
+}
+
+// The record under `key`, read through stash_peek.
+Held Peek(stash_registry *r, const stash_key &key) {
+  Held h{};
+  EXPECT_EQ(stash_peek(
+                r, &key, [](const stash_record *rec, void *c) { *static_cast<Held *>(c) = HeldOf(*rec); },
+                &h),
+            STASH_OK);
+  return h;
+}
+
+// The references held now: every record's refs, summed.
+uint64_t LiveRefs(stash_registry *r) {
+  uint64_t refs = 0;
+  for (auto &kv : Contents(r)) refs += kv.second.refs;
+  return refs;
 }
 
 // --- basic keep and take -------------------------------------------------------
@@ -108,101 +196,200 @@ TEST(StashRegistry, CreateRejectsNullOutput) {
   EXPECT_EQ(stash_registry_create(nullptr), STASH_ERR_ARGUMENT);
 }
 
-TEST(StashRegistry, NewRegistryIsEmptyWithZeroStats) {
+TEST(StashRegistry, NewRegistryIsEmptyWithZeroStatsAndNoBudget) {
   Registry reg;
-  stash_stats zero{};
-  EXPECT_TRUE(StatsEqual(Stats(reg.get()), zero));
+  EXPECT_EQ(Stats(reg.get()), FreshStats());
   EXPECT_TRUE(Contents(reg.get()).empty());
+}
+
+TEST(StashRegistry, StatsAreExactlyTheXMacroFieldsEachAUint64) {
+#define STASH_STATS_IS_U64(name, meaning) \
+  static_assert(std::is_same<decltype(stash_stats::name), uint64_t>::value, #name " is a uint64_t");
+  STASH_STATS_FIELDS(STASH_STATS_IS_U64)
+#undef STASH_STATS_IS_U64
+#define STASH_STATS_ONE(name, meaning) +1
+  constexpr size_t fields = 0 STASH_STATS_FIELDS(STASH_STATS_ONE);
+#undef STASH_STATS_ONE
+  static_assert(sizeof(stash_stats) == fields * sizeof(uint64_t), "stash_stats has only the X-macro fields");
+  // Every counter says what it means (the Python layer shows these).
+#define STASH_STATS_MEANING(name, meaning) EXPECT_GT(std::strlen(meaning), 0u) << #name;
+  STASH_STATS_FIELDS(STASH_STATS_MEANING)
+#undef STASH_STATS_MEANING
 }
 
 TEST(StashRegistry, DestroyOfNullIsANoOp) { stash_registry_destroy(nullptr); }
 
-TEST(StashRegistry, TakeHandsBackTheKeptPayloadBytesAndReleaseFunction) {
+TEST(StashRegistry, TakeHandsBackTheKeptPayloadBytesCallbacksAndId) {
   Payload p;
   Registry reg;
   p.bytes = 123;
   stash_key key = MakeKey(0x1000, 3, {2, 4}, 0);
-  ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(p)), STASH_OK);
+  uint64_t id = Keep(reg.get(), key, EntryFor(p));
 
-  stash_entry out{};
-  ASSERT_EQ(stash_take(reg.get(), &key, &out), STASH_OK);
-  EXPECT_EQ(out.payload, &p);
-  EXPECT_EQ(out.bytes, 123u);
-  EXPECT_EQ(out.release, &CountRelease);
+  Taken t = Take(reg.get(), key);
+  ASSERT_EQ(t.status, STASH_OK);
+  EXPECT_EQ(t.entry.payload, &p);
+  EXPECT_EQ(t.entry.bytes, 123u);
+  EXPECT_EQ(t.entry.retain, &CountRetain);
+  EXPECT_EQ(t.entry.release, &CountRelease);
+  EXPECT_EQ(t.id, id);
+  EXPECT_EQ(t.declined, 0);
+  // The registry's own reference was handed out: no callback at all.
+  EXPECT_EQ(p.retains.load(), 0);
   EXPECT_EQ(p.releases.load(), 0);
 }
 
-TEST(StashRegistry, TakeRemovesTheEntrySoASecondTakeMisses) {
+TEST(StashRegistry, TakeAcceptsNullIdAndDeclinedOutputs) {
+  Payload p;
+  Registry reg;
+  stash_key key = MakeKey(0x1000, 0, {}, 0);
+  Keep(reg.get(), key, EntryFor(p));
+  stash_entry out{};
+  ASSERT_EQ(stash_take(reg.get(), &key, 0, &out, nullptr, nullptr), STASH_OK);
+  EXPECT_EQ(out.payload, &p);
+}
+
+TEST(StashRegistry, TakeOfTheLastReferenceUnlinksSoASecondTakeMisses) {
   Payload p;
   Registry reg;
   stash_key key = MakeKey(0x1000, 0, {8}, 0);
-  ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(p)), STASH_OK);
-  stash_entry out{};
-  ASSERT_EQ(stash_take(reg.get(), &key, &out), STASH_OK);
-  EXPECT_EQ(stash_take(reg.get(), &key, &out), STASH_ERR_MISSING);
+  Keep(reg.get(), key, EntryFor(p));
+  ASSERT_EQ(Take(reg.get(), key).status, STASH_OK);
+  EXPECT_EQ(Take(reg.get(), key).status, STASH_ERR_MISSING);
   EXPECT_TRUE(Contents(reg.get()).empty());
-  stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.entries, 0u);
-  EXPECT_EQ(s.takes, 1u);
-  EXPECT_EQ(s.misses, 1u);
+  stash_stats want = FreshStats();
+  want.keeps = 1;
+  want.replays = 1;
+  want.misses = 1;
+  EXPECT_EQ(Stats(reg.get()), want);
 }
 
-TEST(StashRegistry, TakeOfMissingKeyReturnsMissingCountsAMissAndLeavesOutputAlone) {
+TEST(StashRegistry, TakeOfMissingKeyReturnsMissingCountsAMissAndLeavesOutputsAlone) {
   Registry reg;
   stash_key key = MakeKey(0x2000, 0, {}, 0);
   int sentinel = 0;
-  stash_entry out{&sentinel, 77, nullptr};
-  EXPECT_EQ(stash_take(reg.get(), &key, &out), STASH_ERR_MISSING);
-  EXPECT_EQ(stash_take(reg.get(), &key, &out), STASH_ERR_MISSING);
+  stash_entry out{&sentinel, 77, nullptr, nullptr};
+  uint64_t id = 55;
+  int declined = 66;
+  EXPECT_EQ(stash_take(reg.get(), &key, 0, &out, &id, &declined), STASH_ERR_MISSING);
+  EXPECT_EQ(stash_take(reg.get(), &key, 0, &out, &id, &declined), STASH_ERR_MISSING);
   EXPECT_EQ(out.payload, &sentinel);
   EXPECT_EQ(out.bytes, 77u);
-  stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.misses, 2u);
-  EXPECT_EQ(s.takes, 0u);
+  EXPECT_EQ(id, 55u);
+  EXPECT_EQ(declined, 66);
+  stash_stats want = FreshStats();
+  want.misses = 2;
+  EXPECT_EQ(Stats(reg.get()), want);
 }
 
-TEST(StashRegistry, SecondKeepUnderSameKeyIsRejectedAndStoresNothing) {
+TEST(StashRegistry, SecondKeepOrDeclineUnderSameKeyIsRejectedAndStoresNothing) {
   Payload first, second;
   Registry reg;
   first.bytes = 10;
   second.bytes = 1000;
   stash_key key = MakeKey(0x3000, 1, {5, 6, 7}, 2);
-  ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(first)), STASH_OK);
-  EXPECT_EQ(stash_keep(reg.get(), &key, EntryFor(second)), STASH_ERR_DUPLICATE);
+  uint64_t id = Keep(reg.get(), key, EntryFor(first));
+  stash_stats before = Stats(reg.get());
+  EXPECT_EQ(stash_keep(reg.get(), &key, EntryFor(second), nullptr), STASH_ERR_DUPLICATE);
+  EXPECT_EQ(stash_decline(reg.get(), &key, EntryFor(second), nullptr), STASH_ERR_DUPLICATE);
 
-  // The rejected payload stays the caller's: never released, not counted.
-  EXPECT_EQ(second.releases.load(), 0);
+  // The rejected payload stays the caller's: never retained or released, not counted.
+  EXPECT_EQ(Stats(reg.get()), before);
+  EXPECT_EQ(second.retains.load() + second.releases.load(), 0);
+  EXPECT_EQ(Peek(reg.get(), key), (Held{&first, 10, id, 1, false}));
+}
+
+TEST(StashRegistry, KeepUnderTheKeyOfADeclinedRecordIsADuplicate) {
+  Payload declined, kept;
+  Registry reg;
+  stash_key key = MakeKey(0x3100, 0, {}, 0);
+  Decline(reg.get(), key, EntryFor(declined));
+  EXPECT_EQ(stash_keep(reg.get(), &key, EntryFor(kept), nullptr), STASH_ERR_DUPLICATE);
+  EXPECT_EQ(Take(reg.get(), key).entry.payload, &declined);
+}
+
+// --- ids -----------------------------------------------------------------------
+
+TEST(StashRegistry, IdsStartAtOneAndIncreaseAcrossKeepsDeclinesAndDrops) {
+  std::deque<Payload> payloads(60);
+  Registry reg;
+  uint64_t last = 0;
+  for (int i = 0; i < 60; ++i) {
+    // Few keys, reused after every take or drop: an id must never come back.
+    stash_key key = MakeKey(0x100 + 8 * uintptr_t(i % 4), 0, {}, 0);
+    uint64_t id = i % 3 == 2 ? Decline(reg.get(), key, EntryFor(payloads[size_t(i)]))
+                             : Keep(reg.get(), key, EntryFor(payloads[size_t(i)]));
+    if (i == 0) {
+      EXPECT_EQ(id, 1u);
+    }
+    EXPECT_GT(id, last) << i;
+    last = id;
+    EXPECT_EQ(stash_keep(reg.get(), &key, EntryFor(payloads[size_t(i)]), nullptr), STASH_ERR_DUPLICATE);
+    if (i % 2 == 0) {
+      ASSERT_EQ(Take(reg.get(), key).status, STASH_OK);
+    } else {
+      ASSERT_EQ(stash_release_id(reg.get(), id), STASH_OK);
+    }
+  }
+}
+
+TEST(StashRegistry, TakeWithTheRecordsIdFindsItAndWithAnotherIdMisses) {
+  Payload p;
+  Registry reg;
+  stash_key key = MakeKey(0x1200, 0, {3}, 0);
+  uint64_t id = Keep(reg.get(), key, EntryFor(p));
+
+  Taken wrong = Take(reg.get(), key, id + 1);
+  EXPECT_EQ(wrong.status, STASH_ERR_MISSING);
+  EXPECT_EQ(wrong.id, 777u);  // outputs untouched
+  EXPECT_EQ(wrong.declined, 777);
+  EXPECT_EQ(Stats(reg.get()).misses, 1u);
+  EXPECT_EQ(Peek(reg.get(), key), (Held{&p, 0, id, 1, false}));
+
+  Taken right = Take(reg.get(), key, id);
+  ASSERT_EQ(right.status, STASH_OK);
+  EXPECT_EQ(right.entry.payload, &p);
+  EXPECT_EQ(right.id, id);
   stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.entries, 1u);
-  EXPECT_EQ(s.bytes, 10u);
-  EXPECT_EQ(s.peak_bytes, 10u);
-  EXPECT_EQ(s.keeps, 1u);
+  EXPECT_EQ(s.replays, 1u);
+  EXPECT_EQ(s.misses, 1u);
+  EXPECT_EQ(s.entries, 0u);
+}
 
-  stash_entry out{};
-  ASSERT_EQ(stash_take(reg.get(), &key, &out), STASH_OK);
-  EXPECT_EQ(out.payload, &first);
-  EXPECT_EQ(second.releases.load(), 0);
-  EXPECT_EQ(first.releases.load(), 0);
+TEST(StashRegistry, TakeWithTheIdOfAnotherKeysRecordMisses) {
+  Payload a, b;
+  Registry reg;
+  stash_key ka = MakeKey(0x1300, 0, {}, 0), kb = MakeKey(0x1300, 0, {}, 1);
+  Keep(reg.get(), ka, EntryFor(a));
+  uint64_t idb = Keep(reg.get(), kb, EntryFor(b));
+  EXPECT_EQ(Take(reg.get(), ka, idb).status, STASH_ERR_MISSING);
+  EXPECT_EQ(Stats(reg.get()).entries, 2u);
 }
 
 // --- keys --------------------------------------------------------------------
 
 TEST(StashRegistry, RankAboveMaxOrNegativeIsRejectedWithoutSideEffects) {
-  Payload p;
+  Payload p, held;
   Registry reg;
   p.bytes = 5;
+  stash_key good = MakeKey(0x4000, 0, {1, 2}, 0);
+  uint64_t id = Keep(reg.get(), good, EntryFor(held));
+  stash_stats before = Stats(reg.get());
+  auto noop = [](const stash_record *, void *) {};
   for (int32_t rank : {STASH_MAX_RANK + 1, -1, 1 << 30, -(1 << 30)}) {
-    stash_key key = MakeKey(0x4000, 0, {1, 2}, 0);
+    stash_key key = good;
     key.rank = rank;
-    EXPECT_EQ(stash_keep(reg.get(), &key, EntryFor(p)), STASH_ERR_RANK) << rank;
-    stash_entry out{};
-    EXPECT_EQ(stash_take(reg.get(), &key, &out), STASH_ERR_RANK) << rank;
+    EXPECT_EQ(stash_keep(reg.get(), &key, EntryFor(p), nullptr), STASH_ERR_RANK) << rank;
+    EXPECT_EQ(stash_decline(reg.get(), &key, EntryFor(p), nullptr), STASH_ERR_RANK) << rank;
+    EXPECT_EQ(stash_share(reg.get(), &key, id), STASH_ERR_RANK) << rank;
+    EXPECT_EQ(Take(reg.get(), key, 0).status, STASH_ERR_RANK) << rank;
+    EXPECT_EQ(Take(reg.get(), key, id).status, STASH_ERR_RANK) << rank;
+    EXPECT_EQ(stash_peek(reg.get(), &key, noop, nullptr), STASH_ERR_RANK) << rank;
   }
-  // Nothing stored, nothing released, and a malformed take is not a miss.
-  stash_stats zero{};
-  EXPECT_TRUE(StatsEqual(Stats(reg.get()), zero));
-  EXPECT_TRUE(Contents(reg.get()).empty());
-  EXPECT_EQ(p.releases.load(), 0);
+  // Nothing stored, shared or released, and a malformed take is not a miss.
+  EXPECT_EQ(Stats(reg.get()), before);
+  EXPECT_EQ(Contents(reg.get()).size(), 1u);
+  EXPECT_EQ(p.retains.load() + p.releases.load() + held.retains.load() + held.releases.load(), 0);
 }
 
 TEST(StashRegistry, RankEightIsAcceptedAndEveryOneOfItsSizesCounts) {
@@ -210,29 +397,24 @@ TEST(StashRegistry, RankEightIsAcceptedAndEveryOneOfItsSizesCounts) {
   Registry reg;
   stash_key key = MakeKey(0x5000, 0, {1, 2, 3, 4, 5, 6, 7, 8}, 0);
   ASSERT_EQ(key.rank, STASH_MAX_RANK);
-  ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(p)), STASH_OK);
+  Keep(reg.get(), key, EntryFor(p));
 
   stash_key last_differs = key;
   last_differs.shape[7] = 9;
-  ASSERT_EQ(stash_keep(reg.get(), &last_differs, EntryFor(q)), STASH_OK);
+  Keep(reg.get(), last_differs, EntryFor(q));
 
-  stash_entry out{};
-  ASSERT_EQ(stash_take(reg.get(), &key, &out), STASH_OK);
-  EXPECT_EQ(out.payload, &p);
-  ASSERT_EQ(stash_take(reg.get(), &last_differs, &out), STASH_OK);
-  EXPECT_EQ(out.payload, &q);
+  EXPECT_EQ(Take(reg.get(), key).entry.payload, &p);
+  EXPECT_EQ(Take(reg.get(), last_differs).entry.payload, &q);
 }
 
 TEST(StashRegistry, RankZeroKeyIsAValidKey) {
   Payload p;
   Registry reg;
   stash_key key = MakeKey(0x5100, 0, {}, 0);
-  ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(p)), STASH_OK);
+  Keep(reg.get(), key, EntryFor(p));
   stash_key other_junk = key;
   for (auto &size : other_junk.shape) size = 42;
-  stash_entry out{};
-  ASSERT_EQ(stash_take(reg.get(), &other_junk, &out), STASH_OK);
-  EXPECT_EQ(out.payload, &p);
+  EXPECT_EQ(Take(reg.get(), other_junk).entry.payload, &p);
 }
 
 TEST(StashRegistry, SizesBeyondRankAreIgnored) {
@@ -241,16 +423,17 @@ TEST(StashRegistry, SizesBeyondRankAreIgnored) {
   stash_key key = MakeKey(0x6000, 2, {3, 4}, 1);
   key.shape[2] = 111;
   key.shape[7] = 222;
-  ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(p)), STASH_OK);
+  uint64_t id = Keep(reg.get(), key, EntryFor(p));
 
   stash_key same = key;
   same.shape[2] = -5;
   same.shape[7] = 0;
-  // Same key for keep (duplicate) and for take.
-  EXPECT_EQ(stash_keep(reg.get(), &same, EntryFor(q)), STASH_ERR_DUPLICATE);
-  stash_entry out{};
-  ASSERT_EQ(stash_take(reg.get(), &same, &out), STASH_OK);
-  EXPECT_EQ(out.payload, &p);
+  // Same key for keep (duplicate), share, peek and take.
+  EXPECT_EQ(stash_keep(reg.get(), &same, EntryFor(q), nullptr), STASH_ERR_DUPLICATE);
+  EXPECT_EQ(stash_share(reg.get(), &same, id), STASH_OK);
+  EXPECT_EQ(Peek(reg.get(), same).refs, 2u);
+  EXPECT_EQ(Take(reg.get(), same).entry.payload, &p);
+  EXPECT_EQ(Take(reg.get(), same).entry.payload, &p);
 }
 
 TEST(StashRegistry, AnchorVersionSlotShapeAndRankEachTellKeysApart) {
@@ -272,13 +455,13 @@ TEST(StashRegistry, AnchorVersionSlotShapeAndRankEachTellKeysApart) {
   std::deque<Payload> payloads(keys.size());
   Registry reg;
   for (size_t i = 0; i < keys.size(); ++i) {
-    ASSERT_EQ(stash_keep(reg.get(), &keys[i], EntryFor(payloads[i])), STASH_OK) << i;
+    ASSERT_EQ(stash_keep(reg.get(), &keys[i], EntryFor(payloads[i]), nullptr), STASH_OK) << i;
   }
   EXPECT_EQ(Stats(reg.get()).entries, keys.size());
   for (size_t i = keys.size(); i-- > 0;) {
-    stash_entry out{};
-    ASSERT_EQ(stash_take(reg.get(), &keys[i], &out), STASH_OK) << i;
-    EXPECT_EQ(out.payload, &payloads[i]) << i;
+    Taken t = Take(reg.get(), keys[i]);
+    ASSERT_EQ(t.status, STASH_OK) << i;
+    EXPECT_EQ(t.entry.payload, &payloads[i]) << i;
   }
 }
 
@@ -289,56 +472,461 @@ TEST(StashRegistry, NullArgumentsAreRejectedAndChangeNothing) {
   Registry reg;
   p.bytes = 9;
   stash_key key = MakeKey(0x8000, 0, {1}, 0);
-  ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(p)), STASH_OK);
+  uint64_t id = Keep(reg.get(), key, EntryFor(p));
   stash_stats before = Stats(reg.get());
 
   stash_entry out{};
   stash_stats stats{};
   size_t released = 0;
-  auto pred = [](const stash_key *, const stash_entry *, void *) { return 1; };
-  auto visitor = [](const stash_key *, const stash_entry *, void *) {};
+  uint64_t id_out = 0;
+  auto pred = [](const stash_record *, void *) { return 1; };
+  auto visitor = [](const stash_record *, void *) {};
 
-  EXPECT_EQ(stash_keep(nullptr, &key, EntryFor(p)), STASH_ERR_ARGUMENT);
-  EXPECT_EQ(stash_keep(reg.get(), nullptr, EntryFor(p)), STASH_ERR_ARGUMENT);
-  EXPECT_EQ(stash_take(nullptr, &key, &out), STASH_ERR_ARGUMENT);
-  EXPECT_EQ(stash_take(reg.get(), nullptr, &out), STASH_ERR_ARGUMENT);
-  EXPECT_EQ(stash_take(reg.get(), &key, nullptr), STASH_ERR_ARGUMENT);
-  EXPECT_EQ(stash_release_anchor(nullptr, 0x8000, &released), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_keep(nullptr, &key, EntryFor(p), &id_out), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_keep(reg.get(), nullptr, EntryFor(p), &id_out), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_decline(nullptr, &key, EntryFor(p), &id_out), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_decline(reg.get(), nullptr, EntryFor(p), &id_out), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_share(nullptr, &key, id), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_share(reg.get(), nullptr, id), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_take(nullptr, &key, 0, &out, nullptr, nullptr), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_take(reg.get(), nullptr, 0, &out, nullptr, nullptr), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_take(reg.get(), &key, 0, nullptr, nullptr, nullptr), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_release_id(nullptr, id), STASH_ERR_ARGUMENT);
   EXPECT_EQ(stash_release_if(nullptr, pred, nullptr, &released), STASH_ERR_ARGUMENT);
   EXPECT_EQ(stash_release_if(reg.get(), nullptr, nullptr, &released), STASH_ERR_ARGUMENT);
   EXPECT_EQ(stash_clear(nullptr, &released), STASH_ERR_ARGUMENT);
   EXPECT_EQ(stash_visit(nullptr, visitor, nullptr), STASH_ERR_ARGUMENT);
   EXPECT_EQ(stash_visit(reg.get(), nullptr, nullptr), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_peek(nullptr, &key, visitor, nullptr), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_peek(reg.get(), nullptr, visitor, nullptr), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_peek(reg.get(), &key, nullptr, nullptr), STASH_ERR_ARGUMENT);
   EXPECT_EQ(stash_get_stats(nullptr, &stats), STASH_ERR_ARGUMENT);
   EXPECT_EQ(stash_get_stats(reg.get(), nullptr), STASH_ERR_ARGUMENT);
   EXPECT_EQ(stash_reset_peak(nullptr), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_set_max_bytes(nullptr, 0), STASH_ERR_ARGUMENT);
 
-  EXPECT_TRUE(StatsEqual(Stats(reg.get()), before));
+  // A rejected take is no miss, and the record is neither shared nor released.
+  EXPECT_EQ(Stats(reg.get()), before);
   EXPECT_EQ(Contents(reg.get()).size(), 1u);
-  EXPECT_EQ(p.releases.load(), 0);
+  EXPECT_EQ(p.retains.load() + p.releases.load(), 0);
 }
 
 TEST(StashRegistry, ReleasedCountOutputMayBeNull) {
-  Payload a, b, c;
+  Payload a, b;
   Registry reg;
-  stash_key ka = MakeKey(0x8100, 0, {}, 0), kb = MakeKey(0x8200, 0, {}, 0),
-            kc = MakeKey(0x8300, 0, {}, 0);
-  ASSERT_EQ(stash_keep(reg.get(), &ka, EntryFor(a)), STASH_OK);
-  ASSERT_EQ(stash_keep(reg.get(), &kb, EntryFor(b)), STASH_OK);
-  ASSERT_EQ(stash_keep(reg.get(), &kc, EntryFor(c)), STASH_OK);
-  EXPECT_EQ(stash_release_anchor(reg.get(), 0x8100, nullptr), STASH_OK);
-  auto pred = [](const stash_key *k, const stash_entry *, void *) {
-    return int(k->anchor == 0x8200);
-  };
+  stash_key ka = MakeKey(0x8100, 0, {}, 0), kb = MakeKey(0x8200, 0, {}, 0);
+  Keep(reg.get(), ka, EntryFor(a));
+  Keep(reg.get(), kb, EntryFor(b));
+  auto pred = [](const stash_record *r, void *) { return int(r->key->anchor == 0x8100); };
   EXPECT_EQ(stash_release_if(reg.get(), pred, nullptr, nullptr), STASH_OK);
   EXPECT_EQ(stash_clear(reg.get(), nullptr), STASH_OK);
-  EXPECT_EQ(a.releases.load() + b.releases.load() + c.releases.load(), 3);
+  EXPECT_EQ(a.releases.load() + b.releases.load(), 2);
+}
+
+// --- sharing and reference counts ------------------------------------------------
+
+TEST(StashRegistry, ShareAddsAReferenceAndCountsAKeepWithoutRetaining) {
+  Payload p;
+  Registry reg;
+  p.bytes = 70;
+  stash_key key = MakeKey(0x9000, 0, {4}, 0);
+  uint64_t id = Keep(reg.get(), key, EntryFor(p));
+  ASSERT_EQ(stash_share(reg.get(), &key, id), STASH_OK);
+  ASSERT_EQ(stash_share(reg.get(), &key, id), STASH_OK);
+
+  // The registry still owns one reference: sharing neither retains nor adds bytes.
+  EXPECT_EQ(Peek(reg.get(), key), (Held{&p, 70, id, 3, false}));
+  EXPECT_EQ(p.retains.load(), 0);
+  stash_stats want = FreshStats();
+  want.entries = 1;
+  want.bytes = want.peak_bytes = 70;
+  want.keeps = 3;
+  EXPECT_EQ(Stats(reg.get()), want);
+}
+
+TEST(StashRegistry, TakeOfASharedRecordRetainsAndLeavesItHeld) {
+  Payload p;
+  Registry reg;
+  p.bytes = 70;
+  stash_key key = MakeKey(0x9100, 0, {4}, 0);
+  uint64_t id = Keep(reg.get(), key, EntryFor(p));
+  ASSERT_EQ(stash_share(reg.get(), &key, id), STASH_OK);
+
+  Taken first = Take(reg.get(), key);
+  ASSERT_EQ(first.status, STASH_OK);
+  EXPECT_EQ(first.entry.payload, &p);
+  EXPECT_EQ(first.id, id);
+  EXPECT_EQ(p.retains.load(), 1);  // the taker's own reference
+  EXPECT_EQ(Peek(reg.get(), key), (Held{&p, 70, id, 1, false}));
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.entries, 1u);
+  EXPECT_EQ(s.bytes, 70u);
+  EXPECT_EQ(s.replays, 1u);
+
+  // The last forward gets the registry's own reference: no retain, the record goes.
+  Taken last = Take(reg.get(), key);
+  ASSERT_EQ(last.status, STASH_OK);
+  EXPECT_EQ(p.retains.load(), 1);
+  s = Stats(reg.get());
+  EXPECT_EQ(s.entries, 0u);
+  EXPECT_EQ(s.bytes, 0u);
+  EXPECT_EQ(s.replays, 2u);
+  EXPECT_EQ(s.released_unused, 0u);
+  reg.Destroy();
+  EXPECT_EQ(p.releases.load(), 0);  // both references were handed out
+}
+
+TEST(StashRegistry, EveryExtraReferenceHandedOutIsRetainedExactlyOnce) {
+  Payload p;
+  Registry reg;
+  stash_key key = MakeKey(0x9200, 0, {}, 0);
+  uint64_t id = Keep(reg.get(), key, EntryFor(p));
+  for (int i = 0; i < 4; ++i) ASSERT_EQ(stash_share(reg.get(), &key, id), STASH_OK);
+  for (int taken = 1; taken <= 5; ++taken) {
+    ASSERT_EQ(Take(reg.get(), key, id).status, STASH_OK) << taken;
+    EXPECT_EQ(p.retains.load(), taken < 5 ? taken : 4) << taken;
+  }
+  EXPECT_EQ(Take(reg.get(), key, id).status, STASH_ERR_MISSING);
+  reg.Destroy();
+  EXPECT_EQ(p.releases.load(), 0);
+}
+
+TEST(StashRegistry, ShareOfARecordWithoutRetainIsAnArgumentErrorAndChangesNothing) {
+  Payload p;
+  Registry reg;
+  stash_key key = MakeKey(0x9300, 0, {}, 0);
+  uint64_t id = Keep(reg.get(), key, UnshareableEntryFor(p));
+  stash_stats before = Stats(reg.get());
+  EXPECT_EQ(stash_share(reg.get(), &key, id), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(Stats(reg.get()), before);
+  EXPECT_EQ(Peek(reg.get(), key).refs, 1u);
+}
+
+TEST(StashRegistry, ShareOfAMissingKeyOrAnotherIdIsMissingAndNoMiss) {
+  Payload p;
+  Registry reg;
+  stash_key key = MakeKey(0x9400, 0, {}, 0);
+  uint64_t id = Keep(reg.get(), key, EntryFor(p));
+  stash_stats before = Stats(reg.get());
+  stash_key other = MakeKey(0x9400, 0, {}, 1);
+  EXPECT_EQ(stash_share(reg.get(), &other, id), STASH_ERR_MISSING);
+  EXPECT_EQ(stash_share(reg.get(), &key, id + 1), STASH_ERR_MISSING);
+  // Ids start at 1, so no record has id 0.
+  EXPECT_EQ(stash_share(reg.get(), &key, 0), STASH_ERR_MISSING);
+  EXPECT_EQ(Stats(reg.get()), before);
+  EXPECT_EQ(Peek(reg.get(), key).refs, 1u);
+}
+
+TEST(StashRegistry, ReleaseIdDropsOneReferenceAndReleasesOnlyWithTheLast) {
+  Payload p;
+  Registry reg;
+  p.bytes = 40;
+  stash_key key = MakeKey(0x9500, 0, {}, 0);
+  uint64_t id = Keep(reg.get(), key, EntryFor(p));
+  ASSERT_EQ(stash_share(reg.get(), &key, id), STASH_OK);
+  ASSERT_EQ(stash_share(reg.get(), &key, id), STASH_OK);
+
+  for (uint32_t left = 2; left >= 1; --left) {
+    ASSERT_EQ(stash_release_id(reg.get(), id), STASH_OK);
+    EXPECT_EQ(Peek(reg.get(), key).refs, left);
+    EXPECT_EQ(p.releases.load(), 0);
+    EXPECT_EQ(Stats(reg.get()).bytes, 40u);
+  }
+  ASSERT_EQ(stash_release_id(reg.get(), id), STASH_OK);
+  EXPECT_EQ(p.releases.load(), 1);
+  EXPECT_EQ(p.retains.load(), 0);
+  stash_stats want = FreshStats();
+  want.peak_bytes = 40;
+  want.keeps = 3;
+  want.released_unused = 3;
+  EXPECT_EQ(Stats(reg.get()), want);
+
+  // The record is gone: its id is unknown now.
+  EXPECT_EQ(stash_release_id(reg.get(), id), STASH_ERR_MISSING);
+  EXPECT_EQ(p.releases.load(), 1);
+}
+
+TEST(StashRegistry, ReleaseIdOfAnUnknownIdIsMissingAndCountsNothing) {
+  Payload held, taken;
+  Registry reg;
+  stash_key kh = MakeKey(0x9600, 0, {}, 0), kt = MakeKey(0x9600, 0, {}, 1);
+  uint64_t held_id = Keep(reg.get(), kh, EntryFor(held));
+  uint64_t taken_id = Keep(reg.get(), kt, EntryFor(taken));
+  ASSERT_EQ(Take(reg.get(), kt).status, STASH_OK);
+  stash_stats before = Stats(reg.get());
+
+  for (uint64_t id : {uint64_t(0), taken_id, held_id + 1, uint64_t(UINT64_MAX)}) {
+    EXPECT_EQ(stash_release_id(reg.get(), id), STASH_ERR_MISSING) << id;
+  }
+  EXPECT_EQ(Stats(reg.get()), before);
+  EXPECT_EQ(held.releases.load() + taken.releases.load(), 0);
+}
+
+TEST(StashRegistry, ReleaseIdFindsItsRecordWhateverTheKey) {
+  std::deque<Payload> payloads(12);
+  Registry reg;
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < 12; ++i) {
+    ids.push_back(Keep(reg.get(), MakeKey(0x9700 + 64 * uintptr_t(i % 3), i, {i}, i % 2),
+                       EntryFor(payloads[size_t(i)])));
+  }
+  ASSERT_EQ(stash_release_id(reg.get(), ids[7]), STASH_OK);
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(payloads[size_t(i)].releases.load(), i == 7 ? 1 : 0) << i;
+  EXPECT_EQ(Stats(reg.get()).entries, 11u);
+}
+
+TEST(StashRegistry, SharedTakesAndReleaseIdsBalanceEveryReference) {
+  Payload p;
+  Registry reg;
+  stash_key key = MakeKey(0x9800, 0, {}, 0);
+  uint64_t id = Keep(reg.get(), key, EntryFor(p));
+  for (int i = 0; i < 3; ++i) ASSERT_EQ(stash_share(reg.get(), &key, id), STASH_OK);
+  // Four forwards: two recomputes take theirs, two are dropped unused.
+  ASSERT_EQ(Take(reg.get(), key).status, STASH_OK);
+  ASSERT_EQ(stash_release_id(reg.get(), id), STASH_OK);
+  ASSERT_EQ(Take(reg.get(), key).status, STASH_OK);
+  EXPECT_EQ(p.releases.load(), 0);
+  ASSERT_EQ(stash_release_id(reg.get(), id), STASH_OK);
+
+  // Both takes left others sharing the record, so each got a retained reference;
+  // the registry's own was released with the last forward, dropped unused.
+  EXPECT_EQ(p.retains.load(), 2);
+  EXPECT_EQ(p.releases.load(), 1);
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.keeps, s.replays + s.released_unused);
+  EXPECT_EQ(s.replays, 2u);
+  EXPECT_EQ(s.released_unused, 2u);
+  EXPECT_EQ(s.entries, 0u);
+}
+
+// --- declined records --------------------------------------------------------------
+
+TEST(StashRegistry, DeclineStoresARecordWithoutBytesAndCountsDeclined) {
+  Payload p;
+  Registry reg;
+  p.bytes = 500;
+  stash_key key = MakeKey(0xa000, 0, {2}, 0);
+  uint64_t id = Decline(reg.get(), key, EntryFor(p));
+  EXPECT_EQ(id, 1u);
+  EXPECT_EQ(Peek(reg.get(), key), (Held{&p, 0, id, 1, true}));
+  stash_stats want = FreshStats();
+  want.entries = 1;
+  want.declined = 1;
+  EXPECT_EQ(Stats(reg.get()), want);
+}
+
+TEST(StashRegistry, DeclineIsNeverRefusedByTheBudget) {
+  Payload held, declined;
+  Registry reg;
+  held.bytes = 10;
+  declined.bytes = SIZE_MAX;
+  Keep(reg.get(), MakeKey(0xa100, 0, {}, 0), EntryFor(held));
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 0), STASH_OK);  // already passed by what is held
+  Decline(reg.get(), MakeKey(0xa100, 0, {}, 1), EntryFor(declined));
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.declined, 1u);
+  EXPECT_EQ(s.bytes, 10u);
+}
+
+TEST(StashRegistry, TakeOfADeclinedRecordReportsItAndIsNoReplay) {
+  Payload p;
+  Registry reg;
+  p.bytes = 500;
+  stash_key key = MakeKey(0xa200, 0, {}, 0);
+  uint64_t id = Decline(reg.get(), key, EntryFor(p));
+  Taken t = Take(reg.get(), key);
+  ASSERT_EQ(t.status, STASH_OK);
+  EXPECT_NE(t.declined, 0);
+  EXPECT_EQ(t.id, id);
+  EXPECT_EQ(t.entry.payload, &p);
+  EXPECT_EQ(t.entry.bytes, 0u);  // a declined record holds no bytes
+  stash_stats want = FreshStats();
+  want.declined = 1;
+  EXPECT_EQ(Stats(reg.get()), want);  // neither a replay nor a miss
+  reg.Destroy();
+  EXPECT_EQ(p.releases.load(), 0);
+}
+
+TEST(StashRegistry, ShareOfADeclinedRecordCountsDeclinedAndItsTakesRetain) {
+  Payload p;
+  Registry reg;
+  stash_key key = MakeKey(0xa300, 0, {}, 0);
+  uint64_t id = Decline(reg.get(), key, EntryFor(p));
+  ASSERT_EQ(stash_share(reg.get(), &key, id), STASH_OK);
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.declined, 2u);
+  EXPECT_EQ(s.keeps, 0u);
+
+  Taken first = Take(reg.get(), key);
+  ASSERT_EQ(first.status, STASH_OK);
+  EXPECT_NE(first.declined, 0);
+  EXPECT_EQ(p.retains.load(), 1);
+  Taken last = Take(reg.get(), key);
+  ASSERT_EQ(last.status, STASH_OK);
+  EXPECT_NE(last.declined, 0);
+  EXPECT_EQ(p.retains.load(), 1);
+  EXPECT_EQ(Stats(reg.get()).replays, 0u);
+}
+
+TEST(StashRegistry, DeclinedRecordsAreReleasedLikeKeptOnes) {
+  Payload a, b, c;
+  {
+    Registry reg;
+    stash_key ka = MakeKey(0xa400, 0, {}, 0), kb = MakeKey(0xa400, 0, {}, 1),
+              kc = MakeKey(0xa400, 0, {}, 2);
+    uint64_t ida = Decline(reg.get(), ka, EntryFor(a));
+    ASSERT_EQ(stash_share(reg.get(), &ka, ida), STASH_OK);
+    ASSERT_EQ(stash_release_id(reg.get(), ida), STASH_OK);
+    ASSERT_EQ(stash_release_id(reg.get(), ida), STASH_OK);
+    Decline(reg.get(), kb, EntryFor(b));
+    ASSERT_EQ(stash_clear(reg.get(), nullptr), STASH_OK);
+    Decline(reg.get(), kc, EntryFor(c));
+    EXPECT_EQ(Stats(reg.get()).released_unused, 3u);
+  }
+  EXPECT_EQ(a.releases.load(), 1);
+  EXPECT_EQ(b.releases.load(), 1);
+  EXPECT_EQ(c.releases.load(), 1);  // by destroy
+}
+
+// --- budget ------------------------------------------------------------------
+
+TEST(StashRegistry, WithoutABudgetAnyKeepThatFitsInTheCountersIsAccepted) {
+  Payload huge;
+  Registry reg;
+  huge.bytes = SIZE_MAX;
+  Keep(reg.get(), MakeKey(0xb000, 0, {}, 0), EntryFor(huge));
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.max_bytes, UINT64_MAX);
+  EXPECT_EQ(s.bytes, uint64_t(SIZE_MAX));
+  EXPECT_EQ(s.peak_bytes, uint64_t(SIZE_MAX));
+}
+
+TEST(StashRegistry, SetMaxBytesIsReadBackInStatsAndTouchesNothingElse) {
+  Payload p;
+  Registry reg;
+  p.bytes = 30;
+  Keep(reg.get(), MakeKey(0xb100, 0, {}, 0), EntryFor(p));
+  stash_stats want = Stats(reg.get());
+  for (uint64_t max : {uint64_t(1000), uint64_t(0), uint64_t(UINT64_MAX)}) {
+    ASSERT_EQ(stash_set_max_bytes(reg.get(), max), STASH_OK);
+    want.max_bytes = max;
+    EXPECT_EQ(Stats(reg.get()), want);
+  }
+}
+
+TEST(StashRegistry, KeepThatWouldPassTheBudgetIsRefusedAndChangesNothing) {
+  Payload a, b, c;
+  Registry reg;
+  a.bytes = 60;
+  b.bytes = 41;
+  c.bytes = 40;
+  stash_key ka = MakeKey(0xb200, 0, {}, 0), kb = MakeKey(0xb200, 0, {}, 1),
+            kc = MakeKey(0xb200, 0, {}, 2);
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 100), STASH_OK);
+  Keep(reg.get(), ka, EntryFor(a));
+  stash_stats before = Stats(reg.get());
+
+  EXPECT_EQ(stash_keep(reg.get(), &kb, EntryFor(b), nullptr), STASH_ERR_BUDGET);
+  EXPECT_EQ(Stats(reg.get()), before);  // no counter moves
+  EXPECT_EQ(stash_peek(reg.get(), &kb, [](const stash_record *, void *) {}, nullptr), STASH_ERR_MISSING);
+  EXPECT_EQ(b.retains.load() + b.releases.load(), 0);  // still the caller's
+
+  // Exactly reaching the budget is allowed.
+  Keep(reg.get(), kc, EntryFor(c));
+  EXPECT_EQ(Stats(reg.get()).bytes, 100u);
+  // The caller may store the refused forward as declined instead.
+  Decline(reg.get(), kb, EntryFor(b));
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.bytes, 100u);
+  EXPECT_EQ(s.peak_bytes, 100u);
+  EXPECT_EQ(s.keeps, 2u);
+  EXPECT_EQ(s.declined, 1u);
+}
+
+TEST(StashRegistry, ZeroBudgetRefusesEveryNonEmptyKeep) {
+  Payload one, empty, declined;
+  Registry reg;
+  one.bytes = 1;
+  declined.bytes = 1000;
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 0), STASH_OK);
+  stash_key k1 = MakeKey(0xb300, 0, {}, 0);
+  EXPECT_EQ(stash_keep(reg.get(), &k1, EntryFor(one), nullptr), STASH_ERR_BUDGET);
+  Keep(reg.get(), MakeKey(0xb300, 0, {}, 1), EntryFor(empty));
+  Decline(reg.get(), k1, EntryFor(declined));
+  stash_stats want = FreshStats();
+  want.max_bytes = 0;
+  want.entries = 2;
+  want.keeps = 1;
+  want.declined = 1;
+  EXPECT_EQ(Stats(reg.get()), want);
+}
+
+TEST(StashRegistry, BudgetComparisonCannotOverflow) {
+  static_assert(sizeof(size_t) == sizeof(uint64_t), "the huge sizes below assume a 64-bit size_t");
+  Payload held, huge, fits;
+  Registry reg;
+  held.bytes = 50;
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 100), STASH_OK);
+  Keep(reg.get(), MakeKey(0xb400, 0, {}, 0), EntryFor(held));
+  stash_stats before = Stats(reg.get());
+
+  // Each of these alone passes the budget; 50 + bytes computed in 64 bits would wrap
+  // to 49, 0 and 9, well under it.
+  stash_key key = MakeKey(0xb400, 0, {}, 1);
+  for (size_t bytes : {SIZE_MAX, SIZE_MAX - 49, SIZE_MAX - 40, size_t(101)}) {
+    huge.bytes = bytes;
+    EXPECT_EQ(stash_keep(reg.get(), &key, EntryFor(huge), nullptr), STASH_ERR_BUDGET) << bytes;
+  }
+  EXPECT_EQ(Stats(reg.get()), before);
+
+  // Without a cap the sum still must not wrap: 50 + (2^64 - 50) does not fit.
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), UINT64_MAX), STASH_OK);
+  huge.bytes = SIZE_MAX - 49;
+  EXPECT_EQ(stash_keep(reg.get(), &key, EntryFor(huge), nullptr), STASH_ERR_BUDGET);
+  fits.bytes = SIZE_MAX - 50;
+  Keep(reg.get(), key, EntryFor(fits));
+  EXPECT_EQ(Stats(reg.get()).bytes, UINT64_MAX);
+  EXPECT_EQ(huge.retains.load() + huge.releases.load(), 0);
+}
+
+TEST(StashRegistry, LoweringTheBudgetBelowWhatIsHeldKeepsItAndRefusesEveryKeep) {
+  Payload a, b, small, empty, c;
+  Registry reg;
+  a.bytes = 100;
+  b.bytes = 30;
+  small.bytes = 1;
+  c.bytes = 19;
+  stash_key ka = MakeKey(0xb500, 0, {}, 0), kb = MakeKey(0xb500, 0, {}, 1),
+            ks = MakeKey(0xb500, 0, {}, 2), ke = MakeKey(0xb500, 0, {}, 3),
+            kc = MakeKey(0xb500, 0, {}, 4);
+  uint64_t ida = Keep(reg.get(), ka, EntryFor(a));
+  Keep(reg.get(), kb, EntryFor(b));
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 50), STASH_OK);
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.entries, 2u);
+  EXPECT_EQ(s.bytes, 130u);
+  EXPECT_EQ(a.releases.load() + b.releases.load(), 0);
+
+  // Over the budget, even an empty keep is refused; sharing holds no new bytes.
+  EXPECT_EQ(stash_keep(reg.get(), &ks, EntryFor(small), nullptr), STASH_ERR_BUDGET);
+  EXPECT_EQ(stash_keep(reg.get(), &ke, EntryFor(empty), nullptr), STASH_ERR_BUDGET);
+  EXPECT_EQ(stash_share(reg.get(), &ka, ida), STASH_OK);
+
+  // Once the bytes held fall under the budget, keeps that fit go in again.
+  ASSERT_EQ(Take(reg.get(), ka).status, STASH_OK);
+  EXPECT_EQ(Stats(reg.get()).bytes, 130u);  // a is still shared
+  ASSERT_EQ(Take(reg.get(), ka).status, STASH_OK);
+  Keep(reg.get(), ks, EntryFor(small));
+  Keep(reg.get(), kc, EntryFor(c));
+  EXPECT_EQ(Stats(reg.get()).bytes, 50u);
+  EXPECT_EQ(stash_keep(reg.get(), &ke, EntryFor(small), nullptr), STASH_ERR_BUDGET);
+  EXPECT_EQ(Stats(reg.get()).peak_bytes, 130u);
 }
 
 // --- releasing ---------------------------------------------------------------
 
-TEST(StashRegistry, ReleaseAnchorReleasesEveryVersionSlotAndShapeOfThatAnchorOnly) {
-  const uintptr_t target = 0x9000, other = 0x9010;
+TEST(StashRegistry, ReleaseIfOnAnAnchorReleasesEveryVersionSlotAndShapeOfThatAnchorOnly) {
+  const uintptr_t target = 0xc000, other = 0xc010;
   std::vector<stash_key> target_keys = {
       MakeKey(target, 0, {1, 2}, 0), MakeKey(target, 1, {1, 2}, 0), MakeKey(target, 0, {1, 2}, 1),
       MakeKey(target, 0, {4}, 0),    MakeKey(target, 7, {}, 3),
@@ -349,15 +937,19 @@ TEST(StashRegistry, ReleaseAnchorReleasesEveryVersionSlotAndShapeOfThatAnchorOnl
   Registry reg;
   for (size_t i = 0; i < target_keys.size(); ++i) {
     tp[i].bytes = 100;
-    ASSERT_EQ(stash_keep(reg.get(), &target_keys[i], EntryFor(tp[i])), STASH_OK);
+    Keep(reg.get(), target_keys[i], EntryFor(tp[i]));
   }
   for (size_t i = 0; i < other_keys.size(); ++i) {
     op[i].bytes = 1;
-    ASSERT_EQ(stash_keep(reg.get(), &other_keys[i], EntryFor(op[i])), STASH_OK);
+    Keep(reg.get(), other_keys[i], EntryFor(op[i]));
   }
 
+  auto on_anchor = [](const stash_record *r, void *a) {
+    return int(r->key->anchor == *static_cast<uintptr_t *>(a));
+  };
+  uintptr_t anchor = target;
   size_t released = 99;
-  ASSERT_EQ(stash_release_anchor(reg.get(), target, &released), STASH_OK);
+  ASSERT_EQ(stash_release_if(reg.get(), on_anchor, &anchor, &released), STASH_OK);
   EXPECT_EQ(released, target_keys.size());
   for (auto &p : tp) EXPECT_EQ(p.releases.load(), 1);
   for (auto &p : op) EXPECT_EQ(p.releases.load(), 0);
@@ -372,22 +964,10 @@ TEST(StashRegistry, ReleaseAnchorReleasesEveryVersionSlotAndShapeOfThatAnchorOnl
   EXPECT_EQ(held.size(), other_keys.size());
   for (auto &k : other_keys) EXPECT_EQ(held.count(Canon(k)), 1u);
 
-  // A second release of the same anchor finds nothing and releases nothing again.
-  ASSERT_EQ(stash_release_anchor(reg.get(), target, &released), STASH_OK);
+  // A second pass finds nothing and releases nothing again.
+  ASSERT_EQ(stash_release_if(reg.get(), on_anchor, &anchor, &released), STASH_OK);
   EXPECT_EQ(released, 0u);
   for (auto &p : tp) EXPECT_EQ(p.releases.load(), 1);
-}
-
-TEST(StashRegistry, ReleaseAnchorOfAnUnknownAnchorReleasesNothing) {
-  Payload p;
-  Registry reg;
-  stash_key key = MakeKey(0xa000, 0, {}, 0);
-  ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(p)), STASH_OK);
-  size_t released = 99;
-  ASSERT_EQ(stash_release_anchor(reg.get(), 0xa001, &released), STASH_OK);
-  EXPECT_EQ(released, 0u);
-  EXPECT_EQ(p.releases.load(), 0);
-  EXPECT_EQ(Stats(reg.get()).released_unused, 0u);
 }
 
 TEST(StashRegistry, ReleaseIfReleasesExactlyWhatThePredicateSelectsAndPassesItsContext) {
@@ -396,18 +976,18 @@ TEST(StashRegistry, ReleaseIfReleasesExactlyWhatThePredicateSelectsAndPassesItsC
   for (int i = 0; i < 20; ++i) {
     payloads[i].id = i;
     payloads[i].bytes = 10;
-    stash_key key = MakeKey(0xb000 + 16 * (i % 4), i / 4, {i}, i % 3);
-    ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(payloads[i])), STASH_OK);
+    stash_key key = MakeKey(0xc100 + 16 * (i % 4), i / 4, {i}, i % 3);
+    Keep(reg.get(), key, EntryFor(payloads[i]));
   }
   struct Ctx {
     int64_t slot;
     int calls;
   } ctx{1, 0};
-  auto pred = [](const stash_key *k, const stash_entry *e, void *c) {
+  auto pred = [](const stash_record *r, void *c) {
     auto *ctx = static_cast<Ctx *>(c);
     ctx->calls++;
-    EXPECT_NE(e->payload, nullptr);
-    return int(k->slot == ctx->slot);
+    EXPECT_NE(r->entry->payload, nullptr);
+    return int(r->key->slot == ctx->slot);
   };
   size_t released = 0;
   ASSERT_EQ(stash_release_if(reg.get(), pred, &ctx, &released), STASH_OK);
@@ -425,13 +1005,63 @@ TEST(StashRegistry, ReleaseIfReleasesExactlyWhatThePredicateSelectsAndPassesItsC
   EXPECT_EQ(s.released_unused, expected);
 }
 
+TEST(StashRegistry, ReleaseIfSeesEachRecordsIdRefsAndDeclinedFlag) {
+  Payload kept, shared, declined;
+  Registry reg;
+  kept.bytes = shared.bytes = declined.bytes = 8;
+  stash_key kk = MakeKey(0xc200, 0, {}, 0), ks = MakeKey(0xc200, 0, {}, 1),
+            kd = MakeKey(0xc200, 0, {}, 2);
+  uint64_t idk = Keep(reg.get(), kk, EntryFor(kept));
+  uint64_t ids = Keep(reg.get(), ks, EntryFor(shared));
+  uint64_t idd = Decline(reg.get(), kd, EntryFor(declined));
+  ASSERT_EQ(stash_share(reg.get(), &ks, ids), STASH_OK);
+
+  std::map<uint64_t, Held> seen;
+  auto none = [](const stash_record *r, void *c) {
+    static_cast<std::map<uint64_t, Held> *>(c)->emplace(r->id, HeldOf(*r));
+    return 0;
+  };
+  ASSERT_EQ(stash_release_if(reg.get(), none, &seen, nullptr), STASH_OK);
+  std::map<uint64_t, Held> want = {{idk, Held{&kept, 8, idk, 1, false}},
+                                   {ids, Held{&shared, 8, ids, 2, false}},
+                                   {idd, Held{&declined, 0, idd, 1, true}}};
+  EXPECT_EQ(seen, want);
+  EXPECT_EQ(Stats(reg.get()).entries, 3u);
+}
+
+TEST(StashRegistry, ReleaseIfDropsWholeSharedRecordsCountingEveryReference) {
+  Payload shared, single;
+  Registry reg;
+  shared.bytes = 64;
+  single.bytes = 16;
+  stash_key ks = MakeKey(0xc300, 0, {}, 0), k1 = MakeKey(0xc300, 0, {}, 1);
+  uint64_t id = Keep(reg.get(), ks, EntryFor(shared));
+  for (int i = 0; i < 2; ++i) ASSERT_EQ(stash_share(reg.get(), &ks, id), STASH_OK);
+  Keep(reg.get(), k1, EntryFor(single));
+
+  auto is_shared = [](const stash_record *r, void *) { return int(r->refs > 1); };
+  size_t released = 0;
+  ASSERT_EQ(stash_release_if(reg.get(), is_shared, nullptr, &released), STASH_OK);
+  EXPECT_EQ(released, 1u);  // records, not references
+  EXPECT_EQ(shared.releases.load(), 1);
+  EXPECT_EQ(shared.retains.load(), 0);
+  EXPECT_EQ(single.releases.load(), 0);
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.released_unused, 3u);
+  EXPECT_EQ(s.entries, 1u);
+  EXPECT_EQ(s.bytes, 16u);
+}
+
 TEST(StashRegistry, ClearReleasesEverythingAndTheRegistryStaysUsable) {
   std::deque<Payload> payloads(50);
   Registry reg;
   for (int i = 0; i < 50; ++i) {
     payloads[i].bytes = 2;
-    stash_key key = MakeKey(0xc000 + 8 * i, 0, {i, i}, 0);
-    ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(payloads[i])), STASH_OK);
+    stash_key key = MakeKey(0xc400 + 8 * i, 0, {i, i}, 0);
+    uint64_t id = Keep(reg.get(), key, EntryFor(payloads[i]));
+    if (i % 10 == 0) {
+      ASSERT_EQ(stash_share(reg.get(), &key, id), STASH_OK);
+    }
   }
   size_t released = 0;
   ASSERT_EQ(stash_clear(reg.get(), &released), STASH_OK);
@@ -441,45 +1071,57 @@ TEST(StashRegistry, ClearReleasesEverythingAndTheRegistryStaysUsable) {
   EXPECT_EQ(s.entries, 0u);
   EXPECT_EQ(s.bytes, 0u);
   EXPECT_EQ(s.peak_bytes, 100u);
-  EXPECT_EQ(s.released_unused, 50u);
+  EXPECT_EQ(s.released_unused, 55u);  // every reference of the five shared records
   EXPECT_TRUE(Contents(reg.get()).empty());
 
   ASSERT_EQ(stash_clear(reg.get(), &released), STASH_OK);
   EXPECT_EQ(released, 0u);
 
   Payload again;
-  stash_key key = MakeKey(0xc000, 0, {0, 0}, 0);
-  ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(again)), STASH_OK);
-  stash_entry out{};
-  ASSERT_EQ(stash_take(reg.get(), &key, &out), STASH_OK);
-  EXPECT_EQ(out.payload, &again);
+  stash_key key = MakeKey(0xc400, 0, {0, 0}, 0);
+  Keep(reg.get(), key, EntryFor(again));
+  EXPECT_EQ(Take(reg.get(), key).entry.payload, &again);
 }
 
-TEST(StashRegistry, DestroyReleasesEveryHeldEntryExactlyOnce) {
+TEST(StashRegistry, DestroyReleasesEveryHeldRecordExactlyOnce) {
   std::deque<Payload> payloads(30);
   {
     Registry reg;
     for (int i = 0; i < 30; ++i) {
-      stash_key key = MakeKey(0xd000 + 8 * (i % 5), i, {}, 0);
-      ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(payloads[i])), STASH_OK);
+      stash_key key = MakeKey(0xc500 + 8 * (i % 5), i, {}, 0);
+      uint64_t id = i % 4 == 3 ? Decline(reg.get(), key, EntryFor(payloads[i]))
+                               : Keep(reg.get(), key, EntryFor(payloads[i]));
+      if (i % 3 == 0) {
+        ASSERT_EQ(stash_share(reg.get(), &key, id), STASH_OK);
+      }
     }
   }
-  for (auto &p : payloads) EXPECT_EQ(p.releases.load(), 1);
+  for (auto &p : payloads) {
+    EXPECT_EQ(p.releases.load(), 1);
+    EXPECT_EQ(p.retains.load(), 0);
+  }
 }
 
-TEST(StashRegistry, TakenEntriesAreNeverReleased) {
-  Payload taken, held;
+TEST(StashRegistry, TakenReferencesAreNeverReleased) {
+  Payload taken, shared, held;
   {
     Registry reg;
-    stash_key kt = MakeKey(0xe000, 0, {}, 0), kh = MakeKey(0xe000, 0, {}, 1);
-    ASSERT_EQ(stash_keep(reg.get(), &kt, EntryFor(taken)), STASH_OK);
-    ASSERT_EQ(stash_keep(reg.get(), &kh, EntryFor(held)), STASH_OK);
-    stash_entry out{};
-    ASSERT_EQ(stash_take(reg.get(), &kt, &out), STASH_OK);
-    ASSERT_EQ(stash_release_anchor(reg.get(), 0xe000, nullptr), STASH_OK);
+    stash_key kt = MakeKey(0xc600, 0, {}, 0), ks = MakeKey(0xc600, 0, {}, 1),
+              kh = MakeKey(0xc600, 0, {}, 2);
+    Keep(reg.get(), kt, EntryFor(taken));
+    uint64_t ids = Keep(reg.get(), ks, EntryFor(shared));
+    ASSERT_EQ(stash_share(reg.get(), &ks, ids), STASH_OK);
+    Keep(reg.get(), kh, EntryFor(held));
+    ASSERT_EQ(Take(reg.get(), kt).status, STASH_OK);
+    ASSERT_EQ(Take(reg.get(), ks).status, STASH_OK);
+    auto all = [](const stash_record *, void *) { return 1; };
+    ASSERT_EQ(stash_release_if(reg.get(), all, nullptr, nullptr), STASH_OK);
     ASSERT_EQ(stash_clear(reg.get(), nullptr), STASH_OK);
   }
   EXPECT_EQ(taken.releases.load(), 0);
+  // The shared record: one reference taken (retained for the taker), the registry's released.
+  EXPECT_EQ(shared.retains.load(), 1);
+  EXPECT_EQ(shared.releases.load(), 1);
   EXPECT_EQ(held.releases.load(), 1);
 }
 
@@ -487,16 +1129,19 @@ TEST(StashRegistry, NullReleaseCallbackIsAllowedAndStillCounted) {
   Payload p;
   Registry reg;
   for (int i = 0; i < 4; ++i) {
-    stash_key key = MakeKey(0xf000, 0, {}, i);
-    ASSERT_EQ(stash_keep(reg.get(), &key, stash_entry{&p, 1, nullptr}), STASH_OK);
+    stash_key key = MakeKey(0xc700, 0, {}, i);
+    Keep(reg.get(), key, stash_entry{&p, 1, CountRetain, nullptr});
   }
+  auto all = [](const stash_record *, void *) { return 1; };
   size_t released = 0;
-  ASSERT_EQ(stash_release_anchor(reg.get(), 0xf000, &released), STASH_OK);
+  ASSERT_EQ(stash_release_if(reg.get(), all, nullptr, &released), STASH_OK);
   EXPECT_EQ(released, 4u);
   EXPECT_EQ(Stats(reg.get()).released_unused, 4u);
-  stash_key key = MakeKey(0xf000, 0, {}, 9);
-  ASSERT_EQ(stash_keep(reg.get(), &key, stash_entry{&p, 1, nullptr}), STASH_OK);
-  // ...and destroy of an entry without a callback must not crash either.
+  stash_key key = MakeKey(0xc700, 0, {}, 9);
+  uint64_t id = Keep(reg.get(), key, stash_entry{&p, 1, nullptr, nullptr});
+  ASSERT_EQ(stash_release_id(reg.get(), id), STASH_OK);
+  Keep(reg.get(), key, stash_entry{&p, 1, nullptr, nullptr});
+  // ...and destroy of a record without callbacks must not crash either.
 }
 
 // --- re-entrant release callbacks -----------------------------------------------
@@ -506,151 +1151,152 @@ TEST(StashRegistry, NullReleaseCallbackIsAllowedAndStillCounted) {
 struct Reentrant {
   stash_registry *registry = nullptr;
   int releases = 0;
-  bool keep_replacement = false;  // keep a new entry from inside the callback
+  bool keep_replacement = false;  // keep a new record from inside the callback
   uintptr_t replacement_anchor = 0;
+  uint64_t chained_id = 0;  // a record to release_id from inside the callback
   stash_status stats_status = STASH_ERR_MISSING;
   stash_stats seen{};
   stash_status keep_status = STASH_ERR_MISSING;
+  stash_status chained_status = STASH_ERR_MISSING;
 };
 
 void ReentrantRelease(void *payload) {
   auto *r = static_cast<Reentrant *>(payload);
   r->releases++;
   r->stats_status = stash_get_stats(r->registry, &r->seen);
-  size_t n = 0;
-  stash_release_anchor(r->registry, 0xdead0000, &n);  // takes the lock once more
+  auto none = [](const stash_record *, void *) { return 0; };
+  stash_release_if(r->registry, none, nullptr, nullptr);  // takes the lock once more
+  if (r->chained_id != 0) {
+    r->chained_status = stash_release_id(r->registry, r->chained_id);
+    r->chained_id = 0;
+  }
   if (r->keep_replacement) {
     r->keep_replacement = false;
     stash_key key = MakeKey(r->replacement_anchor, 0, {}, 0);
-    r->keep_status = stash_keep(r->registry, &key, stash_entry{r, 64, ReentrantRelease});
+    r->keep_status = stash_keep(r->registry, &key, stash_entry{r, 64, nullptr, ReentrantRelease}, nullptr);
   }
 }
 
 TEST(StashRegistry, ReleaseCallbackMayCallBackIntoTheRegistryWithoutDeadlock) {
   Reentrant payload;
+  Payload chained;
   Registry reg;
   payload.registry = reg.get();
   payload.keep_replacement = true;
   payload.replacement_anchor = 0x20;
   stash_key key = MakeKey(0x10, 0, {}, 0);
-  ASSERT_EQ(stash_keep(reg.get(), &key, stash_entry{&payload, 32, ReentrantRelease}), STASH_OK);
+  uint64_t id = Keep(reg.get(), key, stash_entry{&payload, 32, nullptr, ReentrantRelease});
+  payload.chained_id = Keep(reg.get(), MakeKey(0x11, 0, {}, 0), EntryFor(chained));
 
-  // release_anchor: the callback reads the stats (already without the entry)
-  // and keeps a replacement under another anchor.
-  ASSERT_EQ(stash_release_anchor(reg.get(), 0x10, nullptr), STASH_OK);
+  // release_id: the callback reads the stats (already without the record), drops
+  // another record by id and keeps a replacement under another anchor.
+  ASSERT_EQ(stash_release_id(reg.get(), id), STASH_OK);
   EXPECT_EQ(payload.releases, 1);
   EXPECT_EQ(payload.stats_status, STASH_OK);
-  EXPECT_EQ(payload.seen.entries, 0u);
+  EXPECT_EQ(payload.seen.entries, 1u);
   EXPECT_EQ(payload.seen.released_unused, 1u);
+  EXPECT_EQ(payload.chained_status, STASH_OK);
+  EXPECT_EQ(chained.releases.load(), 1);
   EXPECT_EQ(payload.keep_status, STASH_OK);
   EXPECT_EQ(Stats(reg.get()).entries, 1u);
 
   // release_if and clear re-enter as well.
   payload.keep_replacement = true;
   payload.replacement_anchor = 0x30;
-  auto all = [](const stash_key *, const stash_entry *, void *) { return 1; };
+  auto all = [](const stash_record *, void *) { return 1; };
   ASSERT_EQ(stash_release_if(reg.get(), all, nullptr, nullptr), STASH_OK);
   EXPECT_EQ(payload.releases, 2);
   EXPECT_EQ(payload.keep_status, STASH_OK);
   ASSERT_EQ(stash_clear(reg.get(), nullptr), STASH_OK);
   EXPECT_EQ(payload.releases, 3);
-  EXPECT_EQ(payload.seen.released_unused, 3u);
+  EXPECT_EQ(payload.seen.released_unused, 4u);
 
-  // Destroy clears too; an entry kept by a callback during destroy is released as well.
+  // Destroy clears too; a record kept by a callback during destroy is released as well.
   payload.keep_replacement = true;
   payload.replacement_anchor = 0x40;
-  stash_key k2 = MakeKey(0x50, 0, {}, 0);
-  ASSERT_EQ(stash_keep(reg.get(), &k2, stash_entry{&payload, 8, ReentrantRelease}), STASH_OK);
-  stash_registry_destroy(reg.r);
-  reg.r = nullptr;
+  Keep(reg.get(), MakeKey(0x50, 0, {}, 0), stash_entry{&payload, 8, nullptr, ReentrantRelease});
+  reg.Destroy();
   EXPECT_EQ(payload.releases, 5);
 }
 
 // --- visit, stats, messages ------------------------------------------------------
 
-TEST(StashRegistry, PeekSeesTheEntryUnderItsKeyAndLeavesItHeld) {
+TEST(StashRegistry, PeekSeesTheRecordUnderItsKeyAndLeavesItHeld) {
   Payload kept, other;
   Registry reg;
-  stash_key key = MakeKey(0x7000, 3, {4, 5}, 1);
-  stash_key other_slot = MakeKey(0x7000, 3, {4, 5}, 2);
-  ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(kept)), STASH_OK);
-  ASSERT_EQ(stash_keep(reg.get(), &other_slot, EntryFor(other)), STASH_OK);
-  void *seen = nullptr;
-  auto record = [](const stash_key *, const stash_entry *e, void *c) { *static_cast<void **>(c) = e->payload; };
-  ASSERT_EQ(stash_peek(reg.get(), &key, record, &seen), STASH_OK);
-  EXPECT_EQ(seen, &kept);
+  kept.bytes = 12;
+  stash_key key = MakeKey(0xd000, 3, {4, 5}, 1);
+  stash_key other_slot = MakeKey(0xd000, 3, {4, 5}, 2);
+  uint64_t id = Keep(reg.get(), key, EntryFor(kept));
+  ASSERT_EQ(stash_share(reg.get(), &key, id), STASH_OK);
+  Keep(reg.get(), other_slot, EntryFor(other));
+  EXPECT_EQ(Peek(reg.get(), key), (Held{&kept, 12, id, 2, false}));
   stash_stats s = Stats(reg.get());
   EXPECT_EQ(s.entries, 2u);
-  EXPECT_EQ(s.takes, 0u);
+  EXPECT_EQ(s.replays, 0u);
+  EXPECT_EQ(kept.retains.load(), 0);
 
-  stash_key missing = MakeKey(0x7000, 4, {4, 5}, 1);  // another version
-  seen = nullptr;
-  EXPECT_EQ(stash_peek(reg.get(), &missing, record, &seen), STASH_ERR_MISSING);
-  EXPECT_EQ(seen, nullptr);
+  stash_key missing = MakeKey(0xd000, 4, {4, 5}, 1);  // another version
+  bool called = false;
+  auto mark = [](const stash_record *, void *c) { *static_cast<bool *>(c) = true; };
+  EXPECT_EQ(stash_peek(reg.get(), &missing, mark, &called), STASH_ERR_MISSING);
+  EXPECT_FALSE(called);
   EXPECT_EQ(Stats(reg.get()).misses, 0u);  // a peek is no take
-  stash_key bad = MakeKey(0x7000, 3, {4, 5}, 1);
-  bad.rank = STASH_MAX_RANK + 1;
-  EXPECT_EQ(stash_peek(reg.get(), &bad, record, &seen), STASH_ERR_RANK);
-  EXPECT_EQ(stash_peek(nullptr, &key, record, &seen), STASH_ERR_ARGUMENT);
-  EXPECT_EQ(stash_peek(reg.get(), &key, nullptr, &seen), STASH_ERR_ARGUMENT);
 }
 
-TEST(StashRegistry, VisitSeesEveryHeldEntryOnceWithItsKeyAndEntry) {
+TEST(StashRegistry, VisitSeesEveryHeldRecordOnceWithItsKeyEntryAndCallbacks) {
   std::deque<Payload> payloads(40);
   Registry reg;
   int calls = 0;
-  auto count = [](const stash_key *, const stash_entry *, void *c) { ++*static_cast<int *>(c); };
+  auto count = [](const stash_record *, void *c) { ++*static_cast<int *>(c); };
   ASSERT_EQ(stash_visit(reg.get(), count, &calls), STASH_OK);
   EXPECT_EQ(calls, 0);
 
-  std::map<CanonKey, void *> expected;
+  std::map<CanonKey, Held> expected;
   for (int i = 0; i < 40; ++i) {
     payloads[i].bytes = size_t(i);
-    stash_key key = MakeKey(0x11000 + 8 * (i % 7), i % 2, {i, 2 * i}, i % 3);
-    ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(payloads[i])), STASH_OK);
-    expected[Canon(key)] = &payloads[i];
+    stash_key key = MakeKey(0xd100 + 8 * (i % 7), i % 2, {i, 2 * i}, i % 3);
+    bool declined = i % 5 == 0;
+    uint64_t id = declined ? Decline(reg.get(), key, EntryFor(payloads[i]))
+                           : Keep(reg.get(), key, EntryFor(payloads[i]));
+    expected[Canon(key)] = Held{&payloads[i], declined ? 0u : uint64_t(i), id, 1, declined};
   }
   EXPECT_EQ(Contents(reg.get()), expected);
 
-  // The entry seen by the visitor is the one kept (bytes and release too).
-  struct Ctx {
-    int bad = 0;
-  } ctx;
+  // The entry seen by the visitor is the one kept, callbacks included.
+  int bad = 0;
   ASSERT_EQ(stash_visit(
                 reg.get(),
-                [](const stash_key *, const stash_entry *e, void *c) {
-                  auto *p = static_cast<Payload *>(e->payload);
-                  if (e->bytes != p->bytes || e->release != &CountRelease) {
-                    static_cast<Ctx *>(c)->bad++;
+                [](const stash_record *r, void *c) {
+                  if (r->entry->retain != &CountRetain || r->entry->release != &CountRelease) {
+                    ++*static_cast<int *>(c);
                   }
                 },
-                &ctx),
+                &bad),
             STASH_OK);
-  EXPECT_EQ(ctx.bad, 0);
-  for (auto &p : payloads) EXPECT_EQ(p.releases.load(), 0);
+  EXPECT_EQ(bad, 0);
+  for (auto &p : payloads) EXPECT_EQ(p.retains.load() + p.releases.load(), 0);
 }
 
-TEST(StashRegistry, StatsTrackEntriesBytesKeepsTakesAndPeak) {
+TEST(StashRegistry, StatsTrackEntriesBytesKeepsReplaysAndPeak) {
   Payload a, b, c;
   Registry reg;
   a.bytes = 100;
   b.bytes = 50;
   c.bytes = 30;
   stash_key ka = MakeKey(1, 0, {}, 0), kb = MakeKey(2, 0, {}, 0), kc = MakeKey(3, 0, {}, 0);
-  ASSERT_EQ(stash_keep(reg.get(), &ka, EntryFor(a)), STASH_OK);
-  ASSERT_EQ(stash_keep(reg.get(), &kb, EntryFor(b)), STASH_OK);
-  stash_entry out{};
-  ASSERT_EQ(stash_take(reg.get(), &ka, &out), STASH_OK);
-  ASSERT_EQ(stash_keep(reg.get(), &kc, EntryFor(c)), STASH_OK);
+  Keep(reg.get(), ka, EntryFor(a));
+  Keep(reg.get(), kb, EntryFor(b));
+  ASSERT_EQ(Take(reg.get(), ka).status, STASH_OK);
+  Keep(reg.get(), kc, EntryFor(c));
 
-  stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.entries, 2u);
-  EXPECT_EQ(s.bytes, 80u);
-  EXPECT_EQ(s.peak_bytes, 150u);  // a and b together, earlier
-  EXPECT_EQ(s.keeps, 3u);
-  EXPECT_EQ(s.takes, 1u);
-  EXPECT_EQ(s.misses, 0u);
-  EXPECT_EQ(s.released_unused, 0u);
+  stash_stats want = FreshStats();
+  want.entries = 2;
+  want.bytes = 80;
+  want.peak_bytes = 150;  // a and b together, earlier
+  want.keeps = 3;
+  want.replays = 1;
+  EXPECT_EQ(Stats(reg.get()), want);
 }
 
 TEST(StashRegistry, ResetPeakSetsPeakToTheBytesHeldNow) {
@@ -659,21 +1305,18 @@ TEST(StashRegistry, ResetPeakSetsPeakToTheBytesHeldNow) {
   a.bytes = 100;
   b.bytes = 40;
   stash_key ka = MakeKey(1, 0, {}, 0), kb = MakeKey(2, 0, {}, 0);
-  ASSERT_EQ(stash_keep(reg.get(), &ka, EntryFor(a)), STASH_OK);
-  ASSERT_EQ(stash_keep(reg.get(), &kb, EntryFor(b)), STASH_OK);
-  stash_entry out{};
-  ASSERT_EQ(stash_take(reg.get(), &ka, &out), STASH_OK);
-  EXPECT_EQ(Stats(reg.get()).peak_bytes, 140u);
+  Keep(reg.get(), ka, EntryFor(a));
+  Keep(reg.get(), kb, EntryFor(b));
+  ASSERT_EQ(Take(reg.get(), ka).status, STASH_OK);
+  stash_stats want = Stats(reg.get());
+  EXPECT_EQ(want.peak_bytes, 140u);
 
   ASSERT_EQ(stash_reset_peak(reg.get()), STASH_OK);
-  stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.peak_bytes, 40u);
-  EXPECT_EQ(s.bytes, 40u);
-  EXPECT_EQ(s.keeps, 2u);  // the other counters are untouched
-  EXPECT_EQ(s.takes, 1u);
+  want.peak_bytes = 40;  // the other counters are untouched
+  EXPECT_EQ(Stats(reg.get()), want);
 
   // The peak climbs again from there, and a release does not lower it.
-  ASSERT_EQ(stash_keep(reg.get(), &ka, EntryFor(a)), STASH_OK);
+  Keep(reg.get(), ka, EntryFor(a));
   EXPECT_EQ(Stats(reg.get()).peak_bytes, 140u);
   ASSERT_EQ(stash_clear(reg.get(), nullptr), STASH_OK);
   EXPECT_EQ(Stats(reg.get()).peak_bytes, 140u);
@@ -683,28 +1326,28 @@ TEST(StashRegistry, ResetPeakSetsPeakToTheBytesHeldNow) {
 
 TEST(StashRegistry, StatusMessagesAreDistinctAndOutOfRangeIsUnknown) {
   std::set<std::string> seen;
-  for (int s = STASH_OK; s <= STASH_ERR_NOMEM; ++s) {
+  for (int s = STASH_OK; s <= STASH_ERR_BUDGET; ++s) {
     const char *msg = stash_status_message(static_cast<stash_status>(s));
     ASSERT_NE(msg, nullptr);
     EXPECT_STRNE(msg, "unknown status") << s;
     EXPECT_GT(std::strlen(msg), 0u);
     seen.insert(msg);
   }
-  EXPECT_EQ(seen.size(), 6u);
-  // Only values the C++ enum can represent (0..7): anything else is UB on this side.
-  EXPECT_STREQ(stash_status_message(static_cast<stash_status>(6)), "unknown status");
+  EXPECT_EQ(seen.size(), 7u);
+  // Only a value the C++ enum can represent (0..7): anything else is UB on this side.
   EXPECT_STREQ(stash_status_message(static_cast<stash_status>(7)), "unknown status");
   // Static strings: the same pointer every time.
-  EXPECT_EQ(stash_status_message(STASH_ERR_RANK), stash_status_message(STASH_ERR_RANK));
+  EXPECT_EQ(stash_status_message(STASH_ERR_BUDGET), stash_status_message(STASH_ERR_BUDGET));
 }
 
 // --- growth ------------------------------------------------------------------
 
-TEST(StashRegistry, GrowsThroughThousandsOfEntriesAndGivesThemAllBack) {
+TEST(StashRegistry, GrowsThroughThousandsOfRecordsAndGivesThemAllBack) {
   const int n = 20000;
   std::deque<Payload> payloads(n);
   Registry reg;
   std::vector<stash_key> keys;
+  std::vector<uint64_t> ids;
   keys.reserve(n);
   for (int i = 0; i < n; ++i) {
     payloads[i].id = i;
@@ -712,7 +1355,9 @@ TEST(StashRegistry, GrowsThroughThousandsOfEntriesAndGivesThemAllBack) {
     // Mostly distinct anchors, plus a run of 625 sharing one anchor (one long chain).
     uintptr_t anchor = i % 32 == 0 ? 0x7f0000001000 : 0x7f0000100000 + 256 * uintptr_t(i);
     keys.push_back(MakeKey(anchor, i % 3, {i, 64}, i));
-    ASSERT_EQ(stash_keep(reg.get(), &keys[i], EntryFor(payloads[i])), STASH_OK) << i;
+    uint64_t id = 0;
+    ASSERT_EQ(stash_keep(reg.get(), &keys[i], EntryFor(payloads[i]), &id), STASH_OK) << i;
+    ids.push_back(id);
   }
   size_t total = 0;
   for (auto &p : payloads) total += p.bytes;
@@ -721,195 +1366,438 @@ TEST(StashRegistry, GrowsThroughThousandsOfEntriesAndGivesThemAllBack) {
   EXPECT_EQ(s.bytes, total);
   EXPECT_EQ(Contents(reg.get()).size(), size_t(n));
 
-  // Every key is still found after the table grew under it.
+  // Every key and every id is still found after the table grew under it.
   for (int i = 0; i < n; i += 2) {
-    ASSERT_EQ(stash_keep(reg.get(), &keys[i], EntryFor(payloads[i])), STASH_ERR_DUPLICATE) << i;
+    ASSERT_EQ(stash_keep(reg.get(), &keys[i], EntryFor(payloads[i]), nullptr), STASH_ERR_DUPLICATE) << i;
   }
+  // release_id walks the whole table, so only a sample of ids goes that way.
+  auto by_id = [](int i) { return i % 100 == 0; };
+  for (int i = 0; i < n; ++i) {
+    if (by_id(i)) {
+      ASSERT_EQ(stash_release_id(reg.get(), ids[size_t(i)]), STASH_OK) << i;
+    }
+  }
+  uint64_t taken = 0;
   for (int i = n; i-- > 0;) {
-    stash_entry out{};
-    ASSERT_EQ(stash_take(reg.get(), &keys[i], &out), STASH_OK) << i;
-    ASSERT_EQ(out.payload, &payloads[i]) << i;
+    if (by_id(i)) continue;
+    Taken t = Take(reg.get(), keys[i], ids[size_t(i)]);
+    ASSERT_EQ(t.status, STASH_OK) << i;
+    ASSERT_EQ(t.entry.payload, &payloads[i]) << i;
+    taken++;
   }
   s = Stats(reg.get());
   EXPECT_EQ(s.entries, 0u);
   EXPECT_EQ(s.bytes, 0u);
   EXPECT_EQ(s.peak_bytes, total);
-  EXPECT_EQ(s.takes, uint64_t(n));
-  for (auto &p : payloads) EXPECT_EQ(p.releases.load(), 0);
+  EXPECT_EQ(s.replays, taken);
+  EXPECT_EQ(s.released_unused, uint64_t(n) - taken);
+  for (int i = 0; i < n; ++i) EXPECT_EQ(payloads[i].releases.load(), by_id(i) ? 1 : 0) << i;
 }
 
-TEST(StashRegistry, ReleaseAnchorAfterGrowthReleasesOnlyThatAnchor) {
+TEST(StashRegistry, ReleaseIfAfterGrowthReleasesOnlyThatAnchor) {
   const int n = 5000;
   std::deque<Payload> payloads(n);
   Registry reg;
   for (int i = 0; i < n; ++i) {
-    stash_key key = MakeKey(0x100000 + 64 * uintptr_t(i % 50), i, {}, 0);
-    ASSERT_EQ(stash_keep(reg.get(), &key, EntryFor(payloads[i])), STASH_OK);
+    Keep(reg.get(), MakeKey(0x100000 + 64 * uintptr_t(i % 50), i, {}, 0), EntryFor(payloads[i]));
   }
+  auto anchor7 = [](const stash_record *r, void *) { return int(r->key->anchor == 0x100000 + 64 * 7); };
   size_t released = 0;
-  ASSERT_EQ(stash_release_anchor(reg.get(), 0x100000 + 64 * 7, &released), STASH_OK);
+  ASSERT_EQ(stash_release_if(reg.get(), anchor7, nullptr, &released), STASH_OK);
   EXPECT_EQ(released, size_t(n / 50));
   for (int i = 0; i < n; ++i) EXPECT_EQ(payloads[i].releases.load(), i % 50 == 7 ? 1 : 0) << i;
 }
 
 // --- a random run against a reference model --------------------------------------
 
-// Every payload of the model test records its own release into this log.
-struct LoggedPayload {
-  int id;
-  std::vector<int> *log;
+// Each payload of the random runs counts its references: one made by the test
+// (handed to the registry by a keep), one per retain; each release, and each drop
+// by the test of a reference it took or failed to store, removes one. The
+// registry's callbacks are also logged, to be checked after every step.
+struct ModelPayload {
+  int index;
+  int refs;
+  std::vector<int> *retained;
+  std::vector<int> *released;
 };
-void LogRelease(void *payload) {
-  auto *p = static_cast<LoggedPayload *>(payload);
-  p->log->push_back(p->id);
+void ModelRetain(void *payload) {
+  auto *p = static_cast<ModelPayload *>(payload);
+  p->refs++;
+  p->retained->push_back(p->index);
+}
+void ModelRelease(void *payload) {
+  auto *p = static_cast<ModelPayload *>(payload);
+  p->refs--;
+  p->released->push_back(p->index);
+}
+
+// Random operations on a registry, each checked against a std::map model: its
+// status and outputs, the callbacks it made, the records held and every counter.
+class ModelRun {
+ public:
+  // How often each path was taken, to check that the run exercised them all.
+  struct Coverage {
+    int keeps = 0, declines = 0, duplicates = 0, over_budget = 0;
+    int shares = 0, shares_without_retain = 0, shares_missing = 0;
+    int replays = 0, shared_takes = 0, wrong_id_misses = 0, misses = 0;
+    int partial_release_ids = 0, last_release_ids = 0, missing_release_ids = 0;
+    int shared_records_released_if = 0, budget_changes = 0;
+  };
+
+  explicit ModelRun(uint64_t seed) : rng_(seed) { EXPECT_EQ(stash_registry_create(&reg_), STASH_OK); }
+  ~ModelRun() { Destroy(); }
+  ModelRun(const ModelRun &) = delete;
+  ModelRun &operator=(const ModelRun &) = delete;
+
+  stash_registry *registry() const { return reg_; }
+  const Coverage &coverage() const { return coverage_; }
+  uint64_t declined_takes() const { return declined_takes_; }
+
+  void Step();
+
+  // Destroys the registry, which must release exactly what the model holds; every
+  // reference ever made is then gone.
+  void CheckDestroy() {
+    std::multiset<int> want;
+    for (auto &kv : model_) want.insert(kv.second.payload);
+    released_.clear();
+    Destroy();
+    EXPECT_EQ(std::multiset<int>(released_.begin(), released_.end()), want);
+    for (auto &p : payloads_) ASSERT_EQ(p.refs, 0) << "payload " << p.index;
+  }
+
+ private:
+  struct Rec {
+    int payload;
+    uint64_t bytes;
+    uint64_t id;
+    uint32_t refs;
+    bool declined;
+    bool retain;
+  };
+
+  void Destroy() {
+    stash_registry_destroy(reg_);
+    reg_ = nullptr;
+  }
+  int Pick(int n) { return int(rng_() % uint64_t(n)); }
+  uint64_t RandomId() { return 1 + uint64_t(Pick(int(last_id_) + 2)); }
+  // A small key space so that duplicates, hits and shared anchors are common.
+  stash_key RandomKey() {
+    std::vector<int64_t> shape(size_t(Pick(3)));
+    for (auto &d : shape) d = 1 + Pick(2);
+    return WithJunk(MakeKey(0x1000 + 0x40 * uintptr_t(Pick(4)), Pick(2), shape, Pick(2)));
+  }
+  stash_key WithJunk(stash_key k) {
+    for (int i = k.rank; i < STASH_MAX_RANK; ++i) k.shape[i] = int64_t(rng_());
+    return k;
+  }
+  stash_key KeyOf(const CanonKey &c) {
+    stash_key k = MakeKey(std::get<0>(c), std::get<1>(c), std::get<3>(c), std::get<4>(c));
+    return WithJunk(k);
+  }
+  std::map<CanonKey, Rec>::iterator RandomHeld() {
+    return std::next(model_.begin(), Pick(int(model_.size())));
+  }
+  std::map<CanonKey, Rec>::iterator FindId(uint64_t id) {
+    for (auto it = model_.begin(); it != model_.end(); ++it) {
+      if (it->second.id == id) return it;
+    }
+    return model_.end();
+  }
+  // Unlinks a record from the model, as the registry does with its last reference.
+  void Unlink(std::map<CanonKey, Rec>::iterator it) {
+    expect_.entries--;
+    expect_.bytes -= it->second.bytes;
+    model_.erase(it);
+  }
+  void StoreOp(bool decline);
+  void ShareOp();
+  void TakeOp();
+  void ReleaseIdOp();
+  void ReleaseIfOp();
+  void CheckAfterStep();
+
+  std::mt19937_64 rng_;
+  std::deque<ModelPayload> payloads_;
+  std::vector<int> retained_, released_;
+  std::multiset<int> want_retained_, want_released_;
+  std::map<CanonKey, Rec> model_;
+  stash_stats expect_ = FreshStats();
+  uint64_t last_id_ = 0;
+  uint64_t declined_takes_ = 0;
+  Coverage coverage_;
+  stash_registry *reg_ = nullptr;
+};
+
+void ModelRun::Step() {
+  retained_.clear();
+  released_.clear();
+  want_retained_.clear();
+  want_released_.clear();
+  int op = Pick(1000);
+  if (op < 300) {
+    StoreOp(false);
+  } else if (op < 380) {
+    StoreOp(true);
+  } else if (op < 480) {
+    ShareOp();
+  } else if (op < 700) {
+    TakeOp();
+  } else if (op < 800) {
+    ReleaseIdOp();
+  } else if (op < 840) {
+    ReleaseIfOp();
+  } else if (op < 920) {  // a budget: none, some room above what is held, or under it
+    int kind = Pick(4);
+    uint64_t max = kind == 0   ? UINT64_MAX
+                   : kind == 3 ? expect_.bytes / 2
+                               : expect_.bytes + uint64_t(Pick(3000));
+    ASSERT_EQ(stash_set_max_bytes(reg_, max), STASH_OK);
+    expect_.max_bytes = max;
+    coverage_.budget_changes++;
+  } else if (op < 990) {
+    ASSERT_EQ(stash_reset_peak(reg_), STASH_OK);
+    expect_.peak_bytes = expect_.bytes;
+  } else {
+    size_t released = 99;
+    ASSERT_EQ(stash_clear(reg_, &released), STASH_OK);
+    ASSERT_EQ(released, model_.size());
+    for (auto &kv : model_) {
+      want_released_.insert(kv.second.payload);
+      expect_.released_unused += kv.second.refs;
+    }
+    model_.clear();
+    expect_.entries = expect_.bytes = 0;
+  }
+  if (::testing::Test::HasFatalFailure()) return;
+  CheckAfterStep();
+}
+
+void ModelRun::StoreOp(bool decline) {
+  stash_key k = RandomKey();
+  payloads_.push_back(ModelPayload{int(payloads_.size()), 1, &retained_, &released_});
+  ModelPayload &p = payloads_.back();
+  uint64_t bytes = uint64_t(Pick(1000));
+  bool retain = Pick(4) != 0;
+  stash_entry e{&p, bytes, retain ? ModelRetain : nullptr, ModelRelease};
+  uint64_t id = 0;
+  stash_status st = decline ? stash_decline(reg_, &k, e, &id) : stash_keep(reg_, &k, e, &id);
+
+  // The sums stay far below 2^64 here: the overflow is pinned by its own test.
+  stash_status want = model_.count(Canon(k))                                    ? STASH_ERR_DUPLICATE
+                      : !decline && expect_.bytes + bytes > expect_.max_bytes ? STASH_ERR_BUDGET
+                                                                                 : STASH_OK;
+  ASSERT_EQ(st, want);
+  if (st != STASH_OK) {
+    coverage_.duplicates += st == STASH_ERR_DUPLICATE;
+    coverage_.over_budget += st == STASH_ERR_BUDGET;
+    p.refs--;  // the caller still owned it, and drops it
+    return;
+  }
+  ASSERT_GT(id, last_id_);
+  last_id_ = id;
+  uint64_t held = decline ? 0 : bytes;
+  model_[Canon(k)] = Rec{p.index, held, id, 1, decline, retain};
+  expect_.entries++;
+  expect_.bytes += held;
+  if (expect_.bytes > expect_.peak_bytes) expect_.peak_bytes = expect_.bytes;
+  (decline ? expect_.declined : expect_.keeps)++;
+  (decline ? coverage_.declines : coverage_.keeps)++;
+}
+
+void ModelRun::ShareOp() {
+  stash_key k;
+  uint64_t id;
+  if (!model_.empty() && Pick(4) != 0) {  // mostly a record known to be held
+    auto it = RandomHeld();
+    k = KeyOf(it->first);
+    id = it->second.id;
+  } else {
+    k = RandomKey();
+    id = RandomId();
+  }
+  stash_status st = stash_share(reg_, &k, id);
+  auto it = model_.find(Canon(k));
+  if (it == model_.end() || it->second.id != id) {
+    ASSERT_EQ(st, STASH_ERR_MISSING);
+    coverage_.shares_missing++;
+  } else if (!it->second.retain) {
+    ASSERT_EQ(st, STASH_ERR_ARGUMENT);
+    coverage_.shares_without_retain++;
+  } else {
+    ASSERT_EQ(st, STASH_OK);
+    it->second.refs++;
+    (it->second.declined ? expect_.declined : expect_.keeps)++;
+    coverage_.shares++;
+  }
+}
+
+void ModelRun::TakeOp() {
+  stash_key k = RandomKey();
+  uint64_t id = 0;
+  if (!model_.empty() && Pick(2) == 0) {  // half of the time a key known to be held
+    auto it = RandomHeld();
+    k = KeyOf(it->first);
+    int mode = Pick(5);
+    if (mode == 3) id = it->second.id;
+    if (mode == 4) id = it->second.id + 1 + uint64_t(Pick(3));  // another record's, or none
+  } else if (Pick(4) == 0) {
+    id = RandomId();
+  }
+  stash_entry out{};
+  uint64_t got_id = 0;
+  int got_declined = -1;
+  stash_status st = stash_take(reg_, &k, id, &out, &got_id, &got_declined);
+
+  auto it = model_.find(Canon(k));
+  if (it == model_.end() || (id != 0 && it->second.id != id)) {
+    ASSERT_EQ(st, STASH_ERR_MISSING);
+    expect_.misses++;
+    coverage_.misses++;
+    coverage_.wrong_id_misses += it != model_.end();
+    return;
+  }
+  ASSERT_EQ(st, STASH_OK);
+  Rec &rec = it->second;
+  ModelPayload &p = payloads_[size_t(rec.payload)];
+  ASSERT_EQ(out.payload, &p);
+  ASSERT_EQ(out.bytes, rec.bytes);
+  ASSERT_EQ(out.retain, rec.retain ? &ModelRetain : nullptr);
+  ASSERT_EQ(out.release, &ModelRelease);
+  ASSERT_EQ(got_id, rec.id);
+  ASSERT_EQ(got_declined != 0, rec.declined);
+  if (rec.declined) {
+    declined_takes_++;
+  } else {
+    expect_.replays++;
+    coverage_.replays++;
+  }
+  if (rec.refs > 1) {  // others still share it: the taker gets a retained reference
+    want_retained_.insert(rec.payload);
+    rec.refs--;
+    coverage_.shared_takes++;
+  } else {
+    Unlink(it);
+  }
+  p.refs--;  // the taker is done with its reference
+}
+
+void ModelRun::ReleaseIdOp() {
+  uint64_t id = !model_.empty() && Pick(4) != 0 ? RandomHeld()->second.id : RandomId();
+  stash_status st = stash_release_id(reg_, id);
+  auto it = FindId(id);
+  if (it == model_.end()) {
+    ASSERT_EQ(st, STASH_ERR_MISSING);
+    coverage_.missing_release_ids++;
+    return;
+  }
+  ASSERT_EQ(st, STASH_OK);
+  expect_.released_unused++;
+  if (it->second.refs > 1) {
+    it->second.refs--;
+    coverage_.partial_release_ids++;
+  } else {
+    want_released_.insert(it->second.payload);
+    Unlink(it);
+    coverage_.last_release_ids++;
+  }
+}
+
+void ModelRun::ReleaseIfOp() {
+  // Select by version and slot, or the shared records, or the declined ones.
+  struct Select {
+    int by;
+    int64_t version, slot;
+    bool operator()(const CanonKey &k, uint32_t refs, bool declined) const {
+      if (by == 0) return std::get<1>(k) == version && std::get<4>(k) == slot;
+      return by == 1 ? refs > 1 : declined;
+    }
+  } select{Pick(3), Pick(2), Pick(2)};
+  auto pred = [](const stash_record *r, void *c) {
+    return int((*static_cast<Select *>(c))(Canon(*r->key), r->refs, r->declined != 0));
+  };
+  size_t released = 99;
+  ASSERT_EQ(stash_release_if(reg_, pred, &select, &released), STASH_OK);
+
+  size_t want = 0;
+  for (auto it = model_.begin(); it != model_.end();) {
+    auto next = std::next(it);
+    if (select(it->first, it->second.refs, it->second.declined)) {
+      want++;
+      want_released_.insert(it->second.payload);
+      expect_.released_unused += it->second.refs;
+      coverage_.shared_records_released_if += it->second.refs > 1;
+      Unlink(it);
+    }
+    it = next;
+  }
+  ASSERT_EQ(released, want);
+}
+
+void ModelRun::CheckAfterStep() {
+  ASSERT_EQ(std::multiset<int>(released_.begin(), released_.end()), want_released_);
+  ASSERT_EQ(std::multiset<int>(retained_.begin(), retained_.end()), want_retained_);
+  std::map<CanonKey, Held> want;
+  for (auto &kv : model_) {
+    const Rec &r = kv.second;
+    want[kv.first] = Held{&payloads_[size_t(r.payload)], r.bytes, r.id, r.refs, r.declined};
+  }
+  ASSERT_EQ(Contents(reg_), want);
+  ASSERT_EQ(Stats(reg_), expect_);
+  // The registry owns exactly one reference per record, however many forwards share it,
+  // and a payload whose record went is no longer referenced at all.
+  for (auto &kv : model_) ASSERT_EQ(payloads_[size_t(kv.second.payload)].refs, 1);
+  for (int index : want_released_) ASSERT_EQ(payloads_[size_t(index)].refs, 0);
 }
 
 TEST(StashRegistry, RandomOperationsMatchAReferenceModel) {
-  std::mt19937_64 rng(20240607);
-  auto pick = [&](int n) { return int(rng() % uint64_t(n)); };
-
-  struct Held {
-    int id;
-    size_t bytes;
-  };
-  std::map<CanonKey, Held> model;
-  stash_stats expect{};
-  std::deque<LoggedPayload> payloads;
-  std::vector<int> release_log;
-  uint64_t duplicates = 0;
-  Registry reg;
-
-  // A small key space so that duplicates, hits and shared anchors are common.
-  auto random_key = [&]() {
-    std::vector<int64_t> shape(size_t(pick(3)));
-    for (auto &d : shape) d = 1 + pick(2);
-    stash_key k = MakeKey(0x1000 + 0x40 * uintptr_t(pick(4)), pick(2), shape, pick(2));
-    for (int i = k.rank; i < STASH_MAX_RANK; ++i) k.shape[i] = int64_t(rng());  // junk past rank
-    return k;
-  };
-  // Drops the model entries that `drop` selects and returns their payload ids.
-  auto model_release = [&](auto drop) {
-    std::multiset<int> ids;
-    for (auto it = model.begin(); it != model.end();) {
-      if (drop(it->first)) {
-        ids.insert(it->second.id);
-        expect.entries--;
-        expect.bytes -= it->second.bytes;
-        expect.released_unused++;
-        it = model.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    return ids;
-  };
-
-  const int steps = 10000;
-  for (int step = 0; step < steps; ++step) {
+  ModelRun run(20240607);
+  for (int step = 0; step < 10000; ++step) {
     SCOPED_TRACE("step " + std::to_string(step));
-    release_log.clear();
-    std::multiset<int> expected_released;
-    int op = pick(1000);
-    if (op < 500) {  // keep
-      stash_key k = random_key();
-      payloads.push_back(LoggedPayload{int(payloads.size()), &release_log});
-      size_t bytes = size_t(pick(1000));
-      stash_status st = stash_keep(reg.get(), &k, stash_entry{&payloads.back(), bytes, LogRelease});
-      bool present = model.count(Canon(k)) != 0;
-      ASSERT_EQ(st, present ? STASH_ERR_DUPLICATE : STASH_OK);
-      duplicates += present;
-      if (!present) {
-        model[Canon(k)] = Held{payloads.back().id, bytes};
-        expect.entries++;
-        expect.bytes += bytes;
-        expect.keeps++;
-        if (expect.bytes > expect.peak_bytes) expect.peak_bytes = expect.bytes;
-      }
-    } else if (op < 800) {  // take: half of the time a key known to be held
-      stash_key k = random_key();
-      if (!model.empty() && pick(2) == 0) {
-        auto it = std::next(model.begin(), pick(int(model.size())));
-        k.anchor = std::get<0>(it->first);
-        k.version = std::get<1>(it->first);
-        k.rank = std::get<2>(it->first);
-        for (int i = 0; i < k.rank; ++i) k.shape[i] = std::get<3>(it->first)[size_t(i)];
-        k.slot = std::get<4>(it->first);
-      }
-      stash_entry out{};
-      stash_status st = stash_take(reg.get(), &k, &out);
-      auto it = model.find(Canon(k));
-      if (it == model.end()) {
-        ASSERT_EQ(st, STASH_ERR_MISSING);
-        expect.misses++;
-      } else {
-        ASSERT_EQ(st, STASH_OK);
-        ASSERT_EQ(static_cast<LoggedPayload *>(out.payload)->id, it->second.id);
-        ASSERT_EQ(out.bytes, it->second.bytes);
-        ASSERT_EQ(out.release, &LogRelease);
-        expect.entries--;
-        expect.bytes -= it->second.bytes;
-        expect.takes++;
-        model.erase(it);
-      }
-    } else if (op < 860) {  // release_anchor
-      uintptr_t anchor = 0x1000 + 0x40 * uintptr_t(pick(5));  // the fifth is never used
-      expected_released =
-          model_release([&](const CanonKey &k) { return std::get<0>(k) == anchor; });
-      size_t released = 99;
-      ASSERT_EQ(stash_release_anchor(reg.get(), anchor, &released), STASH_OK);
-      ASSERT_EQ(released, expected_released.size());
-    } else if (op < 910) {  // release_if on version and slot
-      int64_t ctx[2] = {pick(2), pick(2)};
-      expected_released = model_release(
-          [&](const CanonKey &k) { return std::get<1>(k) == ctx[0] && std::get<4>(k) == ctx[1]; });
-      auto pred = [](const stash_key *k, const stash_entry *, void *c) {
-        auto *want = static_cast<int64_t *>(c);
-        return int(k->version == want[0] && k->slot == want[1]);
-      };
-      size_t released = 99;
-      ASSERT_EQ(stash_release_if(reg.get(), pred, ctx, &released), STASH_OK);
-      ASSERT_EQ(released, expected_released.size());
-    } else if (op < 990) {  // reset_peak
-      ASSERT_EQ(stash_reset_peak(reg.get()), STASH_OK);
-      expect.peak_bytes = expect.bytes;
-    } else {  // clear
-      expected_released = model_release([](const CanonKey &) { return true; });
-      size_t released = 99;
-      ASSERT_EQ(stash_clear(reg.get(), &released), STASH_OK);
-      ASSERT_EQ(released, expected_released.size());
-    }
-
-    // After every step: the same releases, contents and counters as the model.
-    ASSERT_EQ(std::multiset<int>(release_log.begin(), release_log.end()), expected_released);
-    std::map<CanonKey, void *> want;
-    for (auto &kv : model) want[kv.first] = &payloads[size_t(kv.second.id)];
-    ASSERT_EQ(Contents(reg.get()), want);
-    stash_stats got = Stats(reg.get());
-    ASSERT_EQ(got.entries, expect.entries);
-    ASSERT_EQ(got.bytes, expect.bytes);
-    ASSERT_EQ(got.peak_bytes, expect.peak_bytes);
-    ASSERT_EQ(got.keeps, expect.keeps);
-    ASSERT_EQ(got.takes, expect.takes);
-    ASSERT_EQ(got.misses, expect.misses);
-    ASSERT_EQ(got.released_unused, expect.released_unused);
+    ASSERT_NO_FATAL_FAILURE(run.Step());
   }
   // The run must have exercised every path.
-  EXPECT_GT(expect.keeps, 2000u);
-  EXPECT_GT(duplicates, 200u);
-  EXPECT_GT(expect.takes, 800u);
-  EXPECT_GT(expect.misses, 800u);
-  EXPECT_GT(expect.released_unused, 1000u);
+  const ModelRun::Coverage &c = run.coverage();
+  EXPECT_GT(c.keeps, 800);
+  EXPECT_GT(c.declines, 350);
+  EXPECT_GT(c.duplicates, 120);
+  EXPECT_GT(c.over_budget, 450);
+  EXPECT_GT(c.shares, 250);
+  EXPECT_GT(c.shares_without_retain, 70);
+  EXPECT_GT(c.shares_missing, 140);
+  EXPECT_GT(c.replays, 300);
+  EXPECT_GT(run.declined_takes(), 90u);
+  EXPECT_GT(c.shared_takes, 50);
+  EXPECT_GT(c.wrong_id_misses, 90);
+  EXPECT_GT(c.misses, 600);
+  EXPECT_GT(c.partial_release_ids, 45);
+  EXPECT_GT(c.last_release_ids, 250);
+  EXPECT_GT(c.missing_release_ids, 140);
+  EXPECT_GT(c.shared_records_released_if, 60);
+  EXPECT_GT(c.budget_changes, 380);
 
   // Destroy releases what the model still holds.
-  release_log.clear();
-  stash_registry_destroy(reg.r);
-  reg.r = nullptr;
-  EXPECT_EQ(release_log.size(), model.size());
+  run.CheckDestroy();
+}
+
+TEST(StashRegistry, EveryForwardIsReplayedTakenReleasedOrStillHeldThroughoutARandomRun) {
+  ModelRun run(7);
+  for (int step = 0; step < 10000; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    ASSERT_NO_FATAL_FAILURE(run.Step());
+    // From the registry alone (and the declined takes, which no counter records).
+    stash_stats s = Stats(run.registry());
+    ASSERT_EQ(s.keeps + s.declined,
+              s.replays + run.declined_takes() + s.released_unused + LiveRefs(run.registry()));
+  }
+  EXPECT_GT(Stats(run.registry()).declined, 300u);
+  EXPECT_GT(run.declined_takes(), 50u);
 }
 
 // --- concurrency ---------------------------------------------------------------
 
-TEST(StashRegistryConcurrency, ParallelKeepsTakesAndReleasesLoseNothingAndReleaseNothingTwice) {
+TEST(StashRegistryConcurrency, ParallelKeepsSharesTakesAndReleasesLoseNothingAndReleaseNothingTwice) {
   stash_registry *reg = nullptr;
   ASSERT_EQ(stash_registry_create(&reg), STASH_OK);
 
@@ -921,7 +1809,7 @@ TEST(StashRegistryConcurrency, ParallelKeepsTakesAndReleasesLoseNothingAndReleas
   struct Worker {
     std::deque<Payload> payloads;
     std::vector<char> kept;  // kept[i]: payload i was accepted by stash_keep
-    uint64_t keeps = 0, takes = 0, misses = 0, duplicates = 0, failures = 0;
+    uint64_t keeps = 0, shares = 0, takes = 0, misses = 0, duplicates = 0, failures = 0;
   };
   std::vector<Worker> state(workers);
   for (auto &w : state) {
@@ -932,12 +1820,13 @@ TEST(StashRegistryConcurrency, ParallelKeepsTakesAndReleasesLoseNothingAndReleas
 
   auto take = [&](Worker &w, const stash_key &key) {
     stash_entry out{};
-    stash_status st = stash_take(reg, &key, &out);
+    int declined = -1;
+    stash_status st = stash_take(reg, &key, 0, &out, nullptr, &declined);
     if (st == STASH_OK) {
       w.takes++;
       auto *p = static_cast<Payload *>(out.payload);
       p->takes.fetch_add(1);
-      if (out.bytes != p->bytes) w.failures++;
+      if (out.bytes != p->bytes || declined != 0) w.failures++;
     } else if (st == STASH_ERR_MISSING) {
       w.misses++;
     } else {
@@ -949,65 +1838,101 @@ TEST(StashRegistryConcurrency, ParallelKeepsTakesAndReleasesLoseNothingAndReleas
     Worker &w = state[size_t(t)];
     std::mt19937 rng(unsigned(1234 + t));
     const uintptr_t own_anchor = 0x100000 * uintptr_t(t + 1);
+    auto own_key = [&](int i) { return MakeKey(own_anchor, i % 5, {t, i}, 0); };
     for (int i = 0; i < iterations; ++i) {
-      // Own key: kept now, taken back below; nobody else touches this anchor.
+      // Own key: kept now (every fourth one shared by a second forward), taken back
+      // below; nobody else touches this anchor.
       Payload &own = w.payloads[size_t(2 * i)];
       own.bytes = size_t(1 + i % 64);
-      stash_key own_key = MakeKey(own_anchor, i % 5, {t, i}, 0);
-      stash_status st = stash_keep(reg, &own_key, EntryFor(own));
-      if (st != STASH_OK) {
+      stash_key key = own_key(i);
+      uint64_t id = 0;
+      if (stash_keep(reg, &key, EntryFor(own), &id) != STASH_OK) {
         w.failures++;
       } else {
         w.kept[size_t(2 * i)] = 1;
         w.keeps++;
+        if (i % 4 == 1) {
+          if (stash_share(reg, &key, id) == STASH_OK) {
+            w.shares++;
+          } else {
+            w.failures++;
+          }
+        }
       }
 
-      // Shared keys: a small space that every worker keeps into and takes from,
-      // so duplicates, cross-thread takes and misses all happen.
+      // Shared keys: a small space that every worker keeps into, shares and takes
+      // from, so duplicates, cross-thread takes, retains and misses all happen.
       Payload &shared = w.payloads[size_t(2 * i + 1)];
       shared.bytes = 1000;
       stash_key shared_key = MakeKey(shared_anchor, 0, {4}, int64_t(rng() % 16));
-      st = stash_keep(reg, &shared_key, EntryFor(shared));
+      stash_status st = stash_keep(reg, &shared_key, EntryFor(shared), nullptr);
       if (st == STASH_OK) {
         w.kept[size_t(2 * i + 1)] = 1;
         w.keeps++;
       } else if (st == STASH_ERR_DUPLICATE) {
+        // Share the held one instead; it may be gone, or replaced, by the time we do.
         w.duplicates++;
+        Held held{};
+        auto read = [](const stash_record *r, void *c) { *static_cast<Held *>(c) = HeldOf(*r); };
+        if (stash_peek(reg, &shared_key, read, &held) == STASH_OK) {
+          st = stash_share(reg, &shared_key, held.id);
+          if (st == STASH_OK) {
+            w.shares++;
+          } else if (st != STASH_ERR_MISSING) {
+            w.failures++;
+          }
+        }
       } else {
         w.failures++;
       }
       shared_key.slot = int64_t(rng() % 16);
       take(w, shared_key);
 
-      // Leave some own entries for a while (so the table grows), then take them back.
+      // Leave some own records for a while (so the table grows), then take every
+      // reference back.
       if (i % 4 == 3) {
-        for (int j = i - 3; j <= i; ++j) take(w, MakeKey(own_anchor, j % 5, {t, j}, 0));
+        for (int j = i - 3; j <= i; ++j) {
+          take(w, own_key(j));
+          if (j % 4 == 1) take(w, own_key(j));
+        }
       }
     }
   };
 
   // The monitor reads stats, visits and drops the shared anchor while workers run.
-  uint64_t monitor_released = 0, monitor_rounds = 0, monitor_failures = 0;
+  uint64_t monitor_records = 0, monitor_refs = 0, monitor_rounds = 0, monitor_failures = 0;
   auto monitor = [&]() {
     while (!stop.load()) {
       stash_stats s;
       if (stash_get_stats(reg, &s) != STASH_OK) monitor_failures++;
-      // Under the lock the counters are consistent with each other at every instant.
-      if (s.keeps != s.takes + s.released_unused + s.entries) monitor_failures++;
-      if (s.bytes > s.peak_bytes) monitor_failures++;
+      // Under the lock the counters agree at every instant: every record holds at
+      // least one of the forwards not yet replayed or dropped.
+      if (s.keeps < s.replays + s.released_unused + s.entries) monitor_failures++;
+      if (s.bytes > s.peak_bytes || s.declined != 0) monitor_failures++;
       stash_visit(
           reg,
-          [](const stash_key *, const stash_entry *e, void *failures) {
-            auto *p = static_cast<Payload *>(e->payload);
-            // A held payload was neither taken nor released yet.
-            if (e->bytes != p->bytes || p->releases.load() != 0 || p->takes.load() != 0) {
+          [](const stash_record *r, void *failures) {
+            auto *p = static_cast<Payload *>(r->entry->payload);
+            // A held payload was never released, and holds its own bytes.
+            if (r->entry->bytes != p->bytes || p->releases.load() != 0 || r->refs < 1) {
               ++*static_cast<uint64_t *>(failures);
             }
           },
           &monitor_failures);
+      struct Dropped {
+        uintptr_t anchor;
+        uint64_t refs;
+      } dropped{shared_anchor, 0};
+      auto on_shared = [](const stash_record *r, void *c) {
+        auto *d = static_cast<Dropped *>(c);
+        if (r->key->anchor != d->anchor) return 0;
+        d->refs += r->refs;  // the lock is held: every reference seen here goes
+        return 1;
+      };
       size_t released = 0;
-      if (stash_release_anchor(reg, shared_anchor, &released) != STASH_OK) monitor_failures++;
-      monitor_released += released;
+      if (stash_release_if(reg, on_shared, &dropped, &released) != STASH_OK) monitor_failures++;
+      monitor_records += released;
+      monitor_refs += dropped.refs;
       monitor_rounds++;
       std::this_thread::yield();
     }
@@ -1020,9 +1945,10 @@ TEST(StashRegistryConcurrency, ParallelKeepsTakesAndReleasesLoseNothingAndReleas
   stop.store(true);
   mon.join();
 
-  uint64_t keeps = 0, takes = 0, misses = 0, duplicates = 0, failures = 0;
+  uint64_t keeps = 0, shares = 0, takes = 0, misses = 0, duplicates = 0, failures = 0;
   for (auto &w : state) {
     keeps += w.keeps;
+    shares += w.shares;
     takes += w.takes;
     misses += w.misses;
     duplicates += w.duplicates;
@@ -1035,41 +1961,154 @@ TEST(StashRegistryConcurrency, ParallelKeepsTakesAndReleasesLoseNothingAndReleas
   EXPECT_GT(monitor_rounds, 0u);
 
   stash_stats s = Stats(reg);
-  EXPECT_EQ(s.keeps, keeps);
-  EXPECT_EQ(s.takes, takes);
+  EXPECT_EQ(s.keeps, keeps + shares);
+  EXPECT_EQ(s.replays, takes);
   EXPECT_EQ(s.misses, misses);
-  EXPECT_EQ(s.keeps, s.takes + s.released_unused + s.entries);
-  // Workers took all their own keys back; only shared ones may remain.
+  EXPECT_EQ(s.keeps, s.replays + s.released_unused + LiveRefs(reg));
+  EXPECT_EQ(s.released_unused, monitor_refs);
+  // Workers took all their own references back; only shared records may remain.
   EXPECT_EQ(s.entries, Contents(reg).size());
   EXPECT_LE(s.entries, 16u);
   EXPECT_EQ(s.bytes, 1000u * s.entries);
-  EXPECT_EQ(s.released_unused, monitor_released);
 
-  // Each accepted payload ends up taken or released exactly once (destroy
-  // releases the rest); a payload that was never accepted is never touched.
-  const uint64_t released_before_destroy = s.released_unused;
+  // Each accepted payload's references (the registry's, plus one per retain) end up
+  // taken or released, and the registry releases each at most once; a payload that
+  // was never accepted is never touched.
+  const uint64_t held_before_destroy = s.entries;
   stash_registry_destroy(reg);
   uint64_t total_releases = 0, bad = 0;
   for (auto &w : state) {
     for (size_t i = 0; i < w.payloads.size(); ++i) {
-      int r = w.payloads[i].releases.load(), tk = w.payloads[i].takes.load();
+      const Payload &p = w.payloads[i];
+      int r = p.releases.load(), tk = p.takes.load(), rt = p.retains.load();
       total_releases += uint64_t(r);
-      if (w.kept[i] ? r + tk != 1 : r + tk != 0) bad++;
+      if (w.kept[i] ? (r + tk != 1 + rt || r > 1) : r + tk + rt != 0) bad++;
     }
   }
   EXPECT_EQ(bad, 0u);
-  EXPECT_EQ(total_releases, released_before_destroy + s.entries);
+  EXPECT_EQ(total_releases, monitor_records + held_before_destroy);
+}
+
+TEST(StashRegistryConcurrency, BytesHeldNeverPassTheBudgetUnderConcurrentKeepsAndTakes) {
+  stash_registry *reg = nullptr;
+  ASSERT_EQ(stash_registry_create(&reg), STASH_OK);
+  const uint64_t budget = 16000;
+  ASSERT_EQ(stash_set_max_bytes(reg, budget), STASH_OK);
+
+  const int workers = 6;
+  const int iterations = 5000;
+  const int window = 4;  // records each worker holds at once: ~6 * 4 * 1000 bytes, over budget
+  struct Worker {
+    std::deque<Payload> payloads;
+    std::vector<char> declined;
+    uint64_t keeps = 0, declines = 0, replays = 0, declined_takes = 0, failures = 0;
+  };
+  std::vector<Worker> state(workers);
+  for (auto &w : state) {
+    w.payloads.resize(iterations);
+    w.declined.assign(iterations, 0);
+  }
+  std::atomic<bool> stop{false};
+
+  auto worker = [&](int t) {
+    Worker &w = state[size_t(t)];
+    std::mt19937 rng(unsigned(99 + t));
+    auto key = [&](int i) { return MakeKey(0x200000 * uintptr_t(t + 1), i, {t}, 0); };
+    for (int i = 0; i < iterations; ++i) {
+      Payload &p = w.payloads[size_t(i)];
+      p.bytes = 1 + rng() % 2000;
+      stash_key k = key(i);
+      stash_status st = stash_keep(reg, &k, EntryFor(p), nullptr);
+      if (st == STASH_OK) {
+        w.keeps++;
+      } else if (st == STASH_ERR_BUDGET) {
+        // What the torch layer does: remember the forward as declined.
+        if (stash_decline(reg, &k, EntryFor(p), nullptr) != STASH_OK) w.failures++;
+        w.declined[size_t(i)] = 1;
+        w.declines++;
+      } else {
+        w.failures++;
+      }
+      if (i >= window - 1) {
+        int j = i - (window - 1);
+        stash_entry out{};
+        int declined = -1;
+        stash_key kj = key(j);
+        if (stash_take(reg, &kj, 0, &out, nullptr, &declined) != STASH_OK ||
+            (declined != 0) != (w.declined[size_t(j)] != 0) || out.payload != &w.payloads[size_t(j)]) {
+          w.failures++;
+        }
+        (declined ? w.declined_takes : w.replays)++;
+      }
+    }
+  };
+
+  // The checker reads the stats and the records held, each under one lock.
+  uint64_t checks = 0, check_failures = 0;
+  auto checker = [&]() {
+    while (!stop.load()) {
+      stash_stats s = Stats(reg);
+      if (s.bytes > budget || s.peak_bytes > budget || s.max_bytes != budget) check_failures++;
+      uint64_t held = 0;
+      stash_visit(
+          reg, [](const stash_record *r, void *c) { *static_cast<uint64_t *>(c) += r->entry->bytes; },
+          &held);
+      if (held > budget) check_failures++;
+      checks++;
+      std::this_thread::yield();
+    }
+  };
+
+  std::thread check(checker);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < workers; ++t) threads.emplace_back(worker, t);
+  for (auto &th : threads) th.join();
+  stop.store(true);
+  check.join();
+
+  uint64_t keeps = 0, declines = 0, replays = 0, declined_takes = 0, failures = 0;
+  for (auto &w : state) {
+    keeps += w.keeps;
+    declines += w.declines;
+    replays += w.replays;
+    declined_takes += w.declined_takes;
+    failures += w.failures;
+  }
+  EXPECT_EQ(failures, 0u);
+  EXPECT_EQ(check_failures, 0u);
+  EXPECT_GT(checks, 0u);
+  EXPECT_GT(keeps, 0u);
+  EXPECT_GT(declines, 0u);  // the budget really was contended
+
+  stash_stats s = Stats(reg);
+  EXPECT_LE(s.peak_bytes, budget);
+  EXPECT_GT(s.peak_bytes, budget / 2);
+  EXPECT_EQ(s.keeps, keeps);
+  EXPECT_EQ(s.declined, declines);
+  EXPECT_EQ(s.replays, replays);
+  EXPECT_EQ(s.released_unused, 0u);
+  EXPECT_EQ(s.entries, uint64_t(workers * (window - 1)));
+  EXPECT_EQ(s.keeps + s.declined, s.replays + declined_takes + s.released_unused + LiveRefs(reg));
+  stash_registry_destroy(reg);
+  uint64_t releases = 0;
+  for (auto &w : state) {
+    for (auto &p : w.payloads) releases += uint64_t(p.releases.load());
+  }
+  EXPECT_EQ(releases, s.entries);
 }
 
 // Release callbacks that re-enter the registry while other threads hammer it.
 std::atomic<stash_registry *> g_reentrant_registry{nullptr};
 std::atomic<int> g_reentrant_releases{0};
+void RetainNothing(void *) {}
 void ReenterOnRelease(void *) {
+  stash_registry *reg = g_reentrant_registry.load();
   stash_stats s;
-  stash_get_stats(g_reentrant_registry.load(), &s);
-  stash_key key = MakeKey(0xfeed000, 0, {}, 0);
+  stash_get_stats(reg, &s);
+  stash_key key = MakeKey(0xfeed000, 0, {}, 0);  // never kept: a miss
   stash_entry out{};
-  stash_take(g_reentrant_registry.load(), &key, &out);
+  stash_take(reg, &key, 0, &out, nullptr, nullptr);
+  stash_release_id(reg, UINT64_MAX);  // no such record, but the lock is taken again
   g_reentrant_releases.fetch_add(1);
 }
 
@@ -1079,33 +2118,39 @@ TEST(StashRegistryConcurrency, ReentrantReleaseCallbacksUnderContentionDoNotDead
   g_reentrant_registry.store(reg);
   g_reentrant_releases.store(0);
   const int threads_n = 4, iterations = 2000;
-  std::vector<int> kept(threads_n, 0);
+  std::vector<int> kept(threads_n, 0), shared(threads_n, 0);
   std::vector<std::thread> threads;
   for (int t = 0; t < threads_n; ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < iterations; ++i) {
         const uintptr_t anchor = 0x10000 * uintptr_t(t + 1) + 16 * uintptr_t(i % 8);
         stash_key key = MakeKey(anchor, i, {}, 0);
-        if (stash_keep(reg, &key, stash_entry{nullptr, 1, ReenterOnRelease}) == STASH_OK) {
+        uint64_t id = 0;
+        if (stash_keep(reg, &key, stash_entry{nullptr, 1, RetainNothing, ReenterOnRelease}, &id) ==
+            STASH_OK) {
           kept[size_t(t)]++;
+          if (i % 5 == 0 && stash_share(reg, &key, id) == STASH_OK) shared[size_t(t)]++;
         }
-        if (i % 3 == 0) stash_release_anchor(reg, anchor, nullptr);
+        if (i % 3 == 0) stash_release_id(reg, id);
         if (i % 97 == 0) {
-          auto pred = [](const stash_key *k, const stash_entry *, void *) {
-            return int(k->version % 2);
-          };
-          stash_release_if(reg, pred, nullptr, nullptr);
+          auto odd = [](const stash_record *r, void *) { return int(r->key->version % 2); };
+          stash_release_if(reg, odd, nullptr, nullptr);
         }
       }
     });
   }
   for (auto &th : threads) th.join();
   stash_stats s = Stats(reg);
+  const uint64_t live_refs = LiveRefs(reg);
   stash_registry_destroy(reg);
-  int total_kept = 0;
-  for (int k : kept) total_kept += k;
-  EXPECT_EQ(uint64_t(total_kept), s.keeps);
-  EXPECT_EQ(uint64_t(g_reentrant_releases.load()), s.released_unused + s.entries);
+  int total_kept = 0, total_shared = 0;
+  for (int t = 0; t < threads_n; ++t) {
+    total_kept += kept[size_t(t)];
+    total_shared += shared[size_t(t)];
+  }
+  EXPECT_EQ(s.keeps, uint64_t(total_kept + total_shared));
+  EXPECT_EQ(s.keeps, s.released_unused + live_refs);  // nothing was ever taken
+  // Every record was released exactly once: by release_id, release_if or destroy.
   EXPECT_EQ(g_reentrant_releases.load(), total_kept);
 }
 

@@ -9,5 +9,5 @@ def stash_is_empty_after_each_test():
     yield
     held = attnstash.stash_stats()
     if held["entries"] or held["bytes"]:
-        attnstash.clear_stash()
+        attnstash.stash_clear()
         pytest.fail(f"the test left entries in the stash: {held}")

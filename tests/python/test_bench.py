@@ -20,7 +20,7 @@ B, H, S, D = 2, 4, 64, 8
 
 def stash_is_uninstalled():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    return huggingface._wrapped is None and ALL_ATTENTION_FUNCTIONS["sdpa"] is not huggingface._stashed_sdpa
+    return huggingface._patched is None and ALL_ATTENTION_FUNCTIONS["sdpa"] is not huggingface._stashed_sdpa
 
 
 @pytest.fixture(scope="module")

@@ -211,9 +211,9 @@ def test_a_cleared_stash_fails_the_recompute_instead_of_recomputing(reentrant):
     block = Block(64, 4, 4, 64, torch.float32, True, use_stash=True)
     x = torch.randn(2, 24, 64, requires_grad=True)
     y = checkpoint(block, x, use_reentrant=reentrant)
-    assert attnstash.clear_stash() == 1
+    assert attnstash.stash_clear() == 1
     msg = error_of(lambda: y.sum().backward())
-    assert "no attention output is kept" in msg and "clear_stash" in msg
+    assert "no attention output is kept" in msg and "stash_clear" in msg
 
 
 class CountAttentionForwards(TorchDispatchMode):
@@ -374,10 +374,11 @@ def test_what_cannot_be_kept_fails_clearly_and_keeps_nothing(what):
             with sdpa_kernel([SDPBackend.MATH]):
                 msg = error_of(lambda: keep())
             assert "math backend" in msg and "sdpa_kernel" in msg and "flash_attention (CPU)" in msg
-        elif what == "second keep":
+        elif what == "second keep":  # the same anchor and slot again, with another query
             keep()
-            msg = error_of(lambda: keep())
-            assert "already kept" in msg
+            msg = error_of(lambda: keep(q=q + 1))
+            assert "already went through this attention (slot 0)" in msg and "different result" in msg
+            assert "inputs_embeds.clone()" in msg
             ops.sdpa_replay(q, k, v, anchor, 0)
         else:
             big = torch.zeros([1] * 9, requires_grad=True)
@@ -509,20 +510,23 @@ def test_entries_of_a_freed_anchor_are_released_by_the_next_call_and_never_match
     assert stats["entries"] == 0 and stats["released_unused"] == released + 1
 
 
-def test_clear_stash_releases_everything():
+def test_stash_clear_releases_everything():
     q, k, v = qkv(torch.float32, 4, 4, 64)
     anchors = [anchor_for(q) for _ in range(3)]
     with torch.no_grad():
         for a in anchors:
             ops.sdpa_fwd_keep(q, k, v, a, 0)
     assert attnstash.stash_stats()["entries"] == 3
-    assert attnstash.clear_stash() == 3
+    assert attnstash.stash_clear() == 3
     assert attnstash.stash_stats()["entries"] == 0
 
 
-def test_stats_report_every_counter():
-    assert set(attnstash.stash_stats()) == {"entries", "bytes", "peak_bytes", "keeps", "replays", "misses",
-                                            "released_unused"}
+def test_stats_report_every_counter_with_its_meaning():
+    names = ["entries", "bytes", "peak_bytes", "max_bytes", "keeps", "declined", "replays", "misses",
+             "released_unused"]
+    assert list(attnstash.stash_stats()) == names  # csrc/stash_registry.h's order
+    meanings = attnstash.stash_stats_meanings()
+    assert list(meanings) == names and all(meanings.values())
 
 
 # ---- torch.compile and opcheck -------------------------------------------------------------

@@ -1,0 +1,72 @@
+// keep_replay.h: keeping a first forward and taking it back for its recompute, for any
+// device. The phase rules live here too, so that they are stated once.
+#pragma once
+
+#include "sdpa_backend.h"
+#include "stash_entries.h"
+
+#include <optional>
+#include <string>
+
+namespace attnstash {
+
+// Where an attention call stands. An empty query, key or value (any size 0) is always
+// plain, and nothing is kept in inference mode. Otherwise:
+enum class Phase {
+  plain,                        // anything else: exactly F.sdpa, nothing kept
+  reentrant_first_forward,      // grad off, outside backward, no saved-tensor hooks, and the
+                                // anchor requires grad: a reentrant checkpoint's first
+                                // forward. Keep.
+  non_reentrant_first_forward,  // grad on, outside backward, under saved-tensor hooks, and
+                                // query, key or value requires grad: a non-reentrant
+                                // checkpoint's first forward. Keep, behind a node whose
+                                // backward takes it.
+  recompute,                    // grad on, inside a backward pass, and query, key or value
+                                // requires grad: the recompute of a kept forward.
+};
+Phase phase_of(const SdpaCall& call, const at::Tensor& anchor);
+
+// Exactly torch.nn.functional.scaled_dot_product_attention.
+at::Tensor sdpa_plain(const SdpaCall& call);
+
+// The mask F.sdpa hands `backend`: a boolean mask (true = attend) becomes an additive one
+// in the query's dtype, 0 where true and backend.masked_out where false; others pass through.
+std::optional<at::Tensor> fused_attn_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query,
+                                          const SdpaBackend& backend);
+
+// The backend's forward for this call, as F.sdpa would run it (the mask made as F.sdpa
+// makes it), with its log-sum-exp.
+KeptAttention run_forward(const SdpaBackend& backend, const SdpaCall& call);
+
+// What a first forward kept.
+struct KeptForward {
+  KeptAttention attention;  // what the backend's forward computed (also when declined)
+  stash_key key;
+  uint64_t id = 0;          // the record held for it
+  bool declined = false;    // the budget had no room: the recompute runs the forward itself
+};
+
+// Run the forward F.sdpa would run, with its log-sum-exp, and keep it for (anchor, slot),
+// or a declined record if the budget has no room. Fails clearly (PyTorch's own error for
+// inputs F.sdpa refuses) if the call cannot be kept. A forward that repeats one held for
+// the same anchor and slot, bitwise, shares its record; one that differs is refused.
+// `non_reentrant`: kept behind a node of this forward's own graph.
+KeptForward keep_forward(const SdpaCall& call, const at::Tensor& anchor, int64_t slot, bool non_reentrant);
+
+// Take the recompute's record for (anchor, slot) and check that this call repeats its
+// first forward. `check_backend`: also that PyTorch would still choose the kept backend.
+KeptPtr take_for_replay(const SdpaCall& call, const at::Tensor& anchor, int64_t slot, bool check_backend = true);
+
+// Take the record `owner` holds for its forward (a non-reentrant node's backward) and
+// check the call against it.
+KeptPtr take_owned(const SdpaCall& call, EntryOwner& owner);
+
+// Whether the record held for (anchor, slot) was kept by a non-reentrant first forward.
+bool held_by_non_reentrant(const at::Tensor& anchor, int64_t slot);
+
+// The entry held for (anchor, slot) by a non-reentrant first forward, checked against this
+// call and left held (a non-reentrant recompute only refills what its node saved), or null
+// if the record there was kept by a reentrant forward.
+KeptPtr peek_for_recompute(const SdpaCall& call, const at::Tensor& anchor, int64_t slot);
+
+}  // namespace attnstash

@@ -1,0 +1,216 @@
+// stash_entries.cpp: the process-wide registry of kept attention, over the C core.
+#include "stash_entries.h"
+
+#include <c10/util/Exception.h>
+
+#include <limits>
+#include <map>
+#include <sstream>
+
+namespace attnstash {
+namespace {
+
+stash_registry* registry() {
+  // Created once and never destroyed: tensors must not be freed during static
+  // destruction, after the CUDA context may be gone.
+  static stash_registry* reg = [] {
+    stash_registry* r = nullptr;
+    stash_status s = stash_registry_create(&r);
+    TORCH_CHECK(s == STASH_OK, "attnstash: cannot create the stash registry: ", stash_status_message(s));
+    return r;
+  }();
+  return reg;
+}
+
+// The registry's payload callbacks: one reference of a KeptEntry.
+void retain_entry(void* payload) { c10::raw::intrusive_ptr::incref(static_cast<KeptEntry*>(payload)); }
+void release_entry(void* payload) { c10::raw::intrusive_ptr::decref(static_cast<KeptEntry*>(payload)); }
+
+// Typed trampolines: the registry's C callbacks take a function pointer and a context;
+// these let call sites pass ordinary lambdas.
+template <class F>
+void visit_records(F f) {
+  stash_visit(
+      registry(), [](const stash_record* r, void* ctx) { (*static_cast<F*>(ctx))(*r); }, &f);
+}
+
+template <class F>
+bool peek_record(const stash_key& key, F f) {
+  return stash_peek(
+             registry(), &key, [](const stash_record* r, void* ctx) { (*static_cast<F*>(ctx))(*r); }, &f) ==
+         STASH_OK;
+}
+
+template <class F>
+void release_records_if(F f) {
+  stash_release_if(
+      registry(), [](const stash_record* r, void* ctx) { return static_cast<int>((*static_cast<F*>(ctx))(*r)); },
+      &f, nullptr);
+}
+
+const KeptEntry& entry_of(const stash_record& r) { return *static_cast<const KeptEntry*>(r.entry->payload); }
+
+stash_entry entry_for(const KeptPtr& entry) {
+  return stash_entry{entry.get(), entry->bytes(), retain_entry, release_entry};
+}
+
+std::string shape_str(const stash_key& k) {
+  std::ostringstream s;
+  s << "[";
+  for (int32_t d = 0; d < k.rank; ++d) s << (d ? ", " : "") << k.shape[d];
+  s << "]";
+  return s.str();
+}
+
+}  // namespace
+
+std::string TensorMeta::str() const {
+  std::ostringstream s;
+  s << c10::toString(dtype) << c10::IntArrayRef(sizes) << " on " << device;
+  return s.str();
+}
+
+size_t KeptEntry::bytes() const {
+  if (declined) return 0;
+  size_t n = attention.output.nbytes() + attention.logsumexp.nbytes();
+  for (const auto& t : attention.extra) n += t.defined() ? t.nbytes() : 0;
+  return n;
+}
+
+stash_key key_of(const at::Tensor& anchor, int64_t slot, const char* op) {
+  TORCH_CHECK(anchor.dim() <= STASH_MAX_RANK, "attnstash::", op, ": the anchor may have at most ", STASH_MAX_RANK,
+              " dimensions, but it has ", anchor.dim(), " (shape ", anchor.sizes(),
+              "). Pass the decoder layer's input, or a view of it with fewer dimensions.");
+  stash_key key{};
+  key.anchor = reinterpret_cast<uintptr_t>(anchor.data_ptr());
+  key.version = static_cast<int64_t>(anchor._version());
+  key.rank = static_cast<int32_t>(anchor.dim());
+  for (int64_t d = 0; d < anchor.dim(); ++d) key.shape[d] = anchor.size(d);
+  key.slot = slot;
+  return key;
+}
+
+bool kept_for(const KeptEntry& entry, const at::Tensor& anchor) {
+  auto alive = entry.anchor_storage.lock();
+  return alive && alive.get() == anchor.storage().unsafeGetStorageImpl();
+}
+
+Stored stash_store(const stash_key& key, const KeptPtr& entry) {
+  Stored stored;
+  // The registry's reference, made before the record can be seen (and taken) by another
+  // thread; released by release_entry, or below if nothing was stored.
+  c10::raw::intrusive_ptr::incref(entry.get());
+  stash_status s = stash_keep(registry(), &key, entry_for(entry), &stored.id);
+  if (s == STASH_ERR_BUDGET) {
+    // Keep only what the recompute needs to run the forward itself and to check its call.
+    entry->declined = true;
+    const SdpaBackend* backend = entry->attention.backend;
+    entry->attention = KeptAttention{};
+    entry->attention.backend = backend;
+    stored.declined = true;
+    s = stash_decline(registry(), &key, entry_for(entry), &stored.id);
+  }
+  if (s != STASH_OK) c10::raw::intrusive_ptr::decref(entry.get());
+  if (s == STASH_ERR_DUPLICATE) {
+    stored.duplicate = true;
+    stored.id = 0;
+    return stored;
+  }
+  TORCH_CHECK(s == STASH_OK, "attnstash: cannot keep the attention output: ", stash_status_message(s));
+  return stored;
+}
+
+bool stash_share(const stash_key& key, uint64_t id) { return ::stash_share(registry(), &key, id) == STASH_OK; }
+
+Taken stash_take(const stash_key& key, uint64_t id) {
+  stash_entry e{};
+  Taken taken;
+  if (::stash_take(registry(), &key, id, &e, &taken.id, nullptr) == STASH_OK)
+    taken.entry = KeptPtr::reclaim(static_cast<KeptEntry*>(e.payload));  // the reference handed to us
+  return taken;
+}
+
+Taken stash_peek(const stash_key& key) {
+  Taken found;
+  peek_record(key, [&](const stash_record& r) {
+    found.entry = KeptPtr::unsafe_reclaim_from_nonowning(static_cast<KeptEntry*>(r.entry->payload));
+    found.id = r.id;
+  });
+  return found;
+}
+
+bool stash_release(int64_t id) { return id > 0 && stash_release_id(registry(), static_cast<uint64_t>(id)) == STASH_OK; }
+
+void stash_release_freed() {
+  release_records_if([](const stash_record& r) { return entry_of(r).anchor_storage.expired(); });
+}
+
+std::vector<std::pair<int64_t, std::string>> stash_release_stale(const stash_key& key) {
+  std::vector<std::pair<int64_t, std::string>> stale;
+  auto same_slot = [&](const stash_record& r) { return r.key->anchor == key.anchor && r.key->slot == key.slot; };
+  visit_records([&](const stash_record& r) {
+    if (same_slot(r)) stale.emplace_back(r.key->version, shape_str(*r.key));
+  });
+  if (!stale.empty()) release_records_if(same_slot);
+  return stale;
+}
+
+c10::Dict<std::string, int64_t> stash_stats() {
+  ::stash_stats s{};
+  stash_get_stats(registry(), &s);
+  c10::Dict<std::string, int64_t> out;
+  auto as_int = [](uint64_t v) {  // UINT64_MAX (no budget) reads as -1
+    return v > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) ? int64_t{-1} : static_cast<int64_t>(v);
+  };
+#define ATTNSTASH_STAT(name, meaning) out.insert(#name, as_int(s.name));
+  STASH_STATS_FIELDS(ATTNSTASH_STAT)
+#undef ATTNSTASH_STAT
+  return out;
+}
+
+c10::Dict<std::string, std::string> stash_stats_meanings() {
+  c10::Dict<std::string, std::string> out;
+#define ATTNSTASH_STAT(name, meaning) out.insert(#name, meaning);
+  STASH_STATS_FIELDS(ATTNSTASH_STAT)
+#undef ATTNSTASH_STAT
+  return out;
+}
+
+int64_t stash_clear() {
+  size_t released = 0;
+  ::stash_clear(registry(), &released);
+  return static_cast<int64_t>(released);
+}
+
+void stash_reset_peak() { ::stash_reset_peak(registry()); }
+
+void stash_set_max_bytes(int64_t max_bytes) {
+  ::stash_set_max_bytes(registry(), max_bytes < 0 ? UINT64_MAX : static_cast<uint64_t>(max_bytes));
+}
+
+std::vector<int64_t> stash_held_by_slot() {
+  std::map<int64_t, std::pair<int64_t, int64_t>> by_slot;
+  visit_records([&](const stash_record& r) {
+    auto& held = by_slot[r.key->slot];
+    held.first += 1;
+    held.second += static_cast<int64_t>(r.entry->bytes);
+  });
+  std::vector<int64_t> flat;
+  for (const auto& [slot, held] : by_slot) flat.insert(flat.end(), {slot, held.first, held.second});
+  return flat;
+}
+
+int64_t stash_entry_id(const at::Tensor& anchor, int64_t slot) {
+  stash_key key = key_of(anchor, slot, "stash_entry_id");
+  int64_t id = 0;
+  peek_record(key, [&](const stash_record& r) {
+    if (kept_for(entry_of(r), anchor)) id = static_cast<int64_t>(r.id);
+  });
+  return id;
+}
+
+EntryOwner::~EntryOwner() {
+  if (!taken) stash_release_id(registry(), id);
+}
+
+}  // namespace attnstash
