@@ -68,11 +68,13 @@ test-cpp: build
 test-python: build
 	$(PYTHON) -m pytest tests/python -q $(PYTEST_ARGS)
 
-# The same extension (same torch, same Python) imported from the source tree.
+# The tests that depend on transformers, again under transformers 4.57: the same extension
+# (same torch, same Python) imported from the source tree.
+HF_TESTS = tests/python/test_huggingface.py tests/python/test_training_setups.py
 test-hf4: build
 ifndef NO_VENV
 	@$(MAKE) --no-print-directory venv VENV=$(HF4_VENV) TRANSFORMERS=$(HF4_TRANSFORMERS) TORCH=$(TORCH)
-	PYTHONPATH=$(CURDIR) $(HF4_VENV)/bin/python -m pytest tests/python/test_huggingface.py -q -p no:cacheprovider $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR) $(HF4_VENV)/bin/python -m pytest $(HF_TESTS) -q -p no:cacheprovider $(PYTEST_ARGS)
 endif
 
 test: test-cpp test-python test-hf4

@@ -24,6 +24,7 @@ reentrant forward kept (dropped or interrupted forwards release it at once), one
 per thread and call (several threads may train one model), and a clear error for every
 set-up in which a kept output could not be replayed or nothing would be kept.
 """
+import copy
 import functools
 import gc
 import inspect
@@ -39,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from . import ops
 
 _ATTR = "_attnstash"  # a _LayerStash, on each stashed decoder layer
+_SLOTS = "_attnstash_slots"  # {stash token: slot}, on each stashed attention module
 _slots = itertools.count(1)
 _lock = threading.RLock()
 _live = weakref.WeakSet()  # every _LayerStash in use (deep copies of models included)
@@ -48,36 +50,62 @@ _tls = threading.local()  # .frames: the stashed layers this thread is running, 
 
 class _LayerStash:
     """One stashed decoder layer: its index and name (for messages), and a stash slot for
-    each of its attention modules."""
+    each of its attention modules. Each attention module carries its slot too, under this
+    stash's token (an attention module shared by several layers has one per layer), so that
+    the copies of a module that torch.nn.DataParallel makes (which share its __dict__'s
+    contents) find it as well."""
 
     def __init__(self, index, name, attentions):
-        self.index, self.name = index, name
-        self.slots = {module: next(_slots) for module in attentions}
+        self.index, self.name, self.token = index, name, next(_slots)
+        self.slots = {}
+        for module in attentions:
+            self._give_slot(module)
         _live.add(self)
+
+    def _give_slot(self, module):
+        self.slots[module] = next(_slots)
+        module.__dict__.setdefault(_SLOTS, {})[self.token] = self.slots[module]
+
+    def forget(self):
+        for module in self.slots:
+            tokens = module.__dict__.get(_SLOTS, {})
+            tokens.pop(self.token, None)
+            if not tokens:
+                module.__dict__.pop(_SLOTS, None)
+        _live.discard(self)
 
     def __deepcopy__(self, memo):
         # A deep copy of a stashed model carries a working install of its own: the copied
-        # attention modules, and slots of its own, so that it never shares records with the
-        # original.
-        import copy
+        # attention modules, with slots of their own, so that it never shares records with
+        # the original.
         twin = _LayerStash.__new__(_LayerStash)
         memo[id(self)] = twin
-        twin.index, twin.name = self.index, self.name
-        twin.slots = {copy.deepcopy(module, memo): next(_slots) for module in self.slots}
+        twin.index, twin.name, twin.token = self.index, self.name, next(_slots)
+        twin.slots = {}
+        for module in self.slots:
+            copied = copy.deepcopy(module, memo)
+            copied.__dict__.get(_SLOTS, {}).pop(self.token, None)
+            twin._give_slot(copied)
         _live.add(twin)
         return twin
 
 
 class _Frame:
-    """One forward (first or recompute) of a stashed layer in this thread."""
-    __slots__ = ("stash", "anchor", "keep", "first", "routed", "rng", "kept", "name")
+    """One forward (first or recompute) of a stashed layer in this thread. It holds its
+    layer and anchor weakly: a forward interrupted before its frame ends (Ctrl-C is no
+    Exception, so forward hooks do not run for it) leaves nothing held behind."""
+    __slots__ = ("_stash", "anchor", "keep", "first", "routed", "rng", "kept", "__weakref__")
 
     def __init__(self, stash, hidden, keep, first):
-        self.stash, self.keep, self.first = stash, keep, first
-        self.anchor = weakref.ref(hidden)  # weakly: an interrupted forward leaves nothing held
-        self.routed = {}  # attention module -> calls routed to the op
+        self._stash, self.anchor = weakref.ref(stash), weakref.ref(hidden)
+        self.keep, self.first = keep, first
+        self.routed = {}  # id(attention module) -> calls routed to the op
         self.rng = None   # the RNG state at the layer's start, when the recompute would not restore it
         self.kept = []    # records a reentrant first forward kept (for its graph to own)
+
+    @property
+    def stash(self):
+        return self._stash()
 
 
 def _frames():
@@ -201,19 +229,20 @@ def _stashed_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
     original = _patched[1]
     frames = _frames()
     frame = frames[-1] if frames and isinstance(frames[-1], _Frame) else None
-    slot = frame.stash.slots.get(module) if frame is not None else None
+    stash = frame.stash if frame is not None else None
+    slot = module.__dict__.get(_SLOTS, {}).get(stash.token) if stash is not None else None
     if slot is None or not frame.keep:
         return original(module, query, key, value, attention_mask, *args, **kwargs)
     anchor = frame.anchor()
-    name = f"{frame.stash.name}, {type(module).__name__}"
+    name = f"{stash.name}, {type(module).__name__}"
     if frame.rng is not None and not _same_rng(frame.rng, _rng_state(anchor.device)):
         raise RuntimeError(
-            f"attnstash: {frame.stash.name} draws random numbers before its attention (dropout, LoRA dropout, ...) "
+            f"attnstash: {stash.name} draws random numbers before its attention (dropout, LoRA dropout, ...) "
             "and its checkpoint does not restore the random state for the recompute (preserve_rng_state=False): "
             "the recompute's query, key and value would differ from the first forward's, and the kept output would "
             "not match them. Checkpoint with preserve_rng_state=True (the default), or do not stash this layer.")
-    frame.routed[module] = frame.routed.get(module, 0) + 1
-    if frame.routed[module] > 1:
+    frame.routed[id(module)] = frame.routed.get(id(module), 0) + 1
+    if frame.routed[id(module)] > 1:
         raise RuntimeError(f"attnstash: {name} ran twice in one forward of the layer; the stash keeps one output "
                            "per attention and forward. Do not stash this layer.")
     try:
@@ -326,6 +355,9 @@ class _AnchorHook:
         if not isinstance(hidden, torch.Tensor):
             raise RuntimeError(f"attnstash: {stash.name} was called without a hidden_states tensor (got "
                                f"{type(hidden).__name__}); the stash anchors on the decoder layer's input.")
+        # A layer never runs inside itself: frames of it still here were left by an
+        # interrupted forward.
+        frames[:] = [f for f in frames if not (isinstance(f, _Frame) and f.stash in (stash, None))]
         grad = torch.is_grad_enabled()
         if _in_backward():  # a recompute: the op takes what its first forward kept
             frames.append(_Frame(stash, hidden, keep=grad, first=False))
@@ -451,7 +483,7 @@ def _detach(layer):
     stash = layer.__dict__.pop(_ATTR, None)
     _remove_hooks(layer)
     if stash is not None:
-        _live.discard(stash)
+        stash.forget()
 
 
 def install_attention_stash(model, num_layers=None, *, max_bytes=None):

@@ -149,6 +149,27 @@ def release(entry: int) -> bool:
     return _ops.stash_release(entry)
 
 
+# ---- nested (jagged) tensors ----------------------------------------------------------------
+# A jagged tensor is a Python tensor subclass, which reaches no C++ kernel: say why instead
+# of the dispatcher's bare NotImplementedError. (Strided nested tensors reach the C++
+# kernels, which say it when a call would keep.)
+
+def _refuse_jagged(subclass, func, types, args=(), kwargs=None):
+    raise RuntimeError(f"attnstash::{func._opname}: query, key or value is a nested (jagged) tensor, which "
+                       "attnstash cannot keep: it keeps dense [batch, heads, seq, head_dim] attention. Pad the batch "
+                       "into a dense tensor with an attention mask, or call F.scaled_dot_product_attention for "
+                       "nested tensors.")
+
+
+try:
+    from torch.nested._internal.nested_tensor import NestedTensor as _JaggedTensor
+except ImportError:  # a torch without jagged nested tensors
+    _JaggedTensor = None
+if _JaggedTensor is not None and hasattr(torch.library, "register_torch_dispatch"):
+    for _name in ("sdpa_fwd_keep", "sdpa_replay"):
+        torch.library.register_torch_dispatch(f"attnstash::{_name}", _JaggedTensor, _refuse_jagged)
+
+
 # ---- fake kernels --------------------------------------------------------------------------
 # They let FakeTensor and torch.compile trace the ops. Every output comes from the fused
 # SDPA op F.sdpa would run for these inputs (attnstash/backends.py), so PyTorch's own meta

@@ -15,10 +15,6 @@ namespace {
 
 bool inside_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
 
-// (sym_numel: under torch.compile the sizes may be symbolic.)
-bool any_empty(const SdpaCall& c) {
-  return c.query.sym_numel() == 0 || c.key.sym_numel() == 0 || c.value.sym_numel() == 0;
-}
 
 bool any_requires_grad(const SdpaCall& c) {
   return c.query.requires_grad() || c.key.requires_grad() || c.value.requires_grad();
@@ -30,7 +26,7 @@ void check_keepable(const SdpaCall& c, const char* op) {
   const at::Tensor* ts[] = {&c.query, &c.key, &c.value};
   for (int i = 0; i < 3; ++i) {
     TORCH_CHECK(!ts[i]->is_nested(), "attnstash::", op, ": ", kTensorNames[i],
-                " is a nested (jagged) tensor, which attnstash cannot keep: it keeps dense [batch, heads, seq, "
+                " is a nested tensor, which attnstash cannot keep: it keeps dense [batch, heads, seq, "
                 "head_dim] attention. Pad the batch into a dense tensor with an attention mask, or do not stash "
                 "this layer.");
     TORCH_CHECK(ts[i]->dim() == 4, "attnstash::", op, ": ", kTensorNames[i],
@@ -182,8 +178,15 @@ std::string anchor_str(const at::Tensor& anchor) {
 
 }  // namespace
 
+// (sym_numel: under torch.compile the sizes may be symbolic.)
+bool is_empty(const SdpaCall& c) {
+  for (const at::Tensor* t : {&c.query, &c.key, &c.value})
+    if (!t->is_nested() && t->sym_numel() == 0) return true;
+  return false;
+}
+
 Phase phase_of(const SdpaCall& call, const at::Tensor& anchor) {
-  if (any_empty(call) || c10::InferenceMode::is_enabled()) return Phase::plain;
+  if (is_empty(call) || c10::InferenceMode::is_enabled()) return Phase::plain;
   bool grad = at::GradMode::is_enabled();
   if (inside_backward()) return grad && any_requires_grad(call) ? Phase::recompute : Phase::plain;
   // Non-reentrant checkpointing pushes saved-tensor hooks around its first forward; an

@@ -26,6 +26,10 @@ enum class Phase {
 };
 Phase phase_of(const SdpaCall& call, const at::Tensor& anchor);
 
+// Whether query, key or value has a size 0: such a call is plain in every phase (and so
+// is its replay), as F.sdpa returns for it.
+bool is_empty(const SdpaCall& call);
+
 // Exactly torch.nn.functional.scaled_dot_product_attention.
 at::Tensor sdpa_plain(const SdpaCall& call);
 

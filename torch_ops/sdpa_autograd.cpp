@@ -171,6 +171,8 @@ struct NonReentrantKeepFunction : public torch::autograd::Function<NonReentrantK
 at::Tensor sdpa_replay_autograd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                 const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
                                 double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  if (is_empty(call)) return sdpa_plain(call);  // never kept, so never replayed: F.sdpa's own graph
   return ReentrantReplayFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
                                         enable_gqa);
 }

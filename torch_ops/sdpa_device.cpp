@@ -34,6 +34,7 @@ at::Tensor sdpa_replay_kernel(const at::Tensor& query, const at::Tensor& key, co
                               const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
                               double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
   SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  if (is_empty(call)) return sdpa_plain(call);  // never kept, so never replayed
   return attention_of(take_for_replay(call, anchor, slot), call).output;
 }
 
@@ -91,5 +92,8 @@ void register_device_kernels(torch::Library& m) {
 
 TORCH_LIBRARY_IMPL(attnstash, CPU, m) { register_device_kernels(m); }
 TORCH_LIBRARY_IMPL(attnstash, CUDA, m) { register_device_kernels(m); }
+// Nested (strided) tensors: plain calls are F.sdpa's, and a keep says why it cannot be.
+TORCH_LIBRARY_IMPL(attnstash, NestedTensorCPU, m) { register_device_kernels(m); }
+TORCH_LIBRARY_IMPL(attnstash, NestedTensorCUDA, m) { register_device_kernels(m); }
 
 }  // namespace attnstash

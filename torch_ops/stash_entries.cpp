@@ -156,6 +156,7 @@ std::vector<std::pair<int64_t, std::string>> stash_release_stale(const stash_key
 }
 
 c10::Dict<std::string, int64_t> stash_stats() {
+  stash_release_freed();  // what freed anchors left is no longer held for anyone
   ::stash_stats s{};
   stash_get_stats(registry(), &s);
   c10::Dict<std::string, int64_t> out;

@@ -254,3 +254,62 @@ def test_hugging_face_training_step_on_cuda(backend, padded):
         nearest = min((g - r).abs().max().item() for r in runs)
         assert nearest <= spread, (i, nearest, spread)
     assert attnstash.stash_stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["all-fp32", "v-in-autocast-dtype"])
+def test_cuda_autocast_keeps_and_replays_what_fsdpa_under_autocast_computes(dtype, mixed):
+    # fp32 query/key (as Hugging Face's rotary embedding leaves them) and value fp32 or
+    # already in the autocast dtype: both ops cast as F.sdpa does under CUDA autocast.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 256, 128, device="cuda") for _ in range(3))
+    if mixed:
+        v = v.to(dtype)
+    anchor = torch.randn(4, device="cuda", requires_grad=True)
+    with torch.autocast("cuda", dtype=dtype):
+        backend = torch._fused_sdp_choice(q.to(dtype), k.to(dtype), v.to(dtype), is_causal=True)
+        with sdpa_kernel([SDPBackend(backend)]):
+            with torch.no_grad():
+                kept = ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True)
+            qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+            replayed = ops.sdpa_replay(qr, kr, vr, anchor, 0, is_causal=True)
+            qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
+            ref = F.scaled_dot_product_attention(qa, ka, va, is_causal=True)
+    assert kept.dtype == dtype and torch.equal(kept, ref) and torch.equal(replayed, ref)
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad(replayed, (qr, kr, vr), g)
+    want = torch.autograd.grad(ref, (qa, ka, va), g)
+    for name, a, b in zip("kv", got[1:], want[1:]):  # dK, dV deterministic; dQ: see check_against_autograd
+        assert torch.equal(a, b), name
+    assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_hugging_face_fp32_model_under_cuda_autocast(dtype, use_reentrant):
+    """fp32 weights under CUDA autocast with every layer stashed: the loss bitwise the normal
+    recompute's, every layer kept and replayed once, nothing held after."""
+    from tiny_models import batch, clone, tiny_model
+    base = tiny_model("llama", layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2).cuda()
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    ids = batch(batch_size=2, seq=128).cuda()
+
+    def step(model):
+        with torch.autocast("cuda", dtype=dtype):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    normal = step(clone(base))
+    model = clone(base)
+    attnstash.install_attention_stash(model)
+    before = attnstash.stash_stats()
+    try:
+        loss = step(model)
+    finally:
+        attnstash.uninstall_attention_stash(model)
+    after = attnstash.stash_stats()
+    assert torch.equal(loss, normal)
+    assert after["keeps"] - before["keeps"] == 2 and after["replays"] - before["replays"] == 2
+    assert attnstash.stash_stats()["entries"] == 0

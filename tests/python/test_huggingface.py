@@ -1,8 +1,10 @@
 """install_attention_stash on tiny Hugging Face models with reentrant checkpointing:
 the same loss and gradients as the normal recompute, nothing held after, and a clear
 error for every set-up in which a kept output could not be replayed."""
+import copy
 import gc
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -20,7 +22,7 @@ def installed():
     """Install on models through this, so every test ends with the stash uninstalled."""
     models = []
 
-    def install(model, n):
+    def install(model, n=None):
         layers = attnstash.install_attention_stash(model, n)
         models.append(model)
         return layers
@@ -354,3 +356,180 @@ def test_two_models_installed_at_once_do_not_interfere(installed):
     b.zero_grad()
     assert_bitwise_equal(loss_and_grads(b, ids), ref_b)
     assert attnstash.stash_stats()["keeps"] == keeps + 1  # b still stashes its last layer
+
+
+# ---- every decoder a user brings ------------------------------------------------------------
+
+def test_install_is_all_or_nothing(monkeypatch):
+    # A failure part-way (here: the third layer refuses its hook) leaves no hook, attribute,
+    # global wrapper or registration behind, and a later install works.
+    from attnstash import huggingface
+    original_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    model = tiny_model("llama")
+    layer = model.model.layers[2]
+    hooks_before = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(layer, "register_forward_hook", refuse)
+    with pytest.raises(RuntimeError, match="refused"):
+        attnstash.install_attention_stash(model)
+    monkeypatch.undo()
+    assert not any(hasattr(m, "_attnstash") or hasattr(m, "_attnstash_slots") for m in model.modules())
+    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()] == hooks_before
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original_sdpa and huggingface._patched is None
+    assert attnstash.install_attention_stash(model) == [0, 1, 2]
+    attnstash.uninstall_attention_stash(model)
+
+
+@pytest.mark.parametrize("num_layers", [np.int64(2), torch.tensor(2), 2])
+def test_num_layers_takes_what_operator_index_takes(num_layers, installed):
+    assert installed(tiny_model("llama"), num_layers) == [1, 2]
+
+
+def test_a_model_switched_to_eager_after_install_fails_at_its_first_training_forward(installed):
+    model = tiny_model("llama")
+    installed(model, 2)
+    model.set_attn_implementation("eager")
+    msg = run_error(model)
+    assert "decoder layer 1" in msg and "did not call its attention through ALL_ATTENTION_FUNCTIONS" in msg
+    assert "set_attn_implementation" in msg
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("arch,attention", [("gpt2", "attn"), ("gpt_neox", "attention")])
+def test_attention_found_by_what_it_is_not_by_its_name(arch, attention, installed):
+    config = transformers.AutoConfig.for_model(arch, vocab_size=97, n_embd=64, hidden_size=64, n_layer=3,
+                                               num_hidden_layers=3, n_head=4, num_attention_heads=4,
+                                               intermediate_size=96, n_positions=128,
+                                               max_position_embeddings=128, use_cache=False,
+                                               attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                                               attention_dropout=0.0, hidden_dropout=0.0,
+                                               tie_word_embeddings=False)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    base.train()
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    found = attnstash.attention_layers(base)
+    assert [i for i, _, _ in found] == [0, 1, 2]
+    assert all(getattr(layer, attention) in modules for _, layer, modules in found)
+    ids = batch()
+    reference = loss_and_grads(clone(base), ids)
+    model = clone(base)
+    assert installed(model, None) == [0, 1, 2]
+    keeps, replays = counters()
+    assert_bitwise_equal(loss_and_grads(model, ids), reference)
+    assert counters() == (keeps + 3, replays + 3)
+
+
+def test_a_deep_copy_carries_an_install_of_its_own(installed):
+    base = tiny_model("llama")
+    ids = batch()
+    reference = loss_and_grads(clone(base), ids)
+    model = clone(base)
+    installed(model, 2)
+    twin = copy.deepcopy(model)
+    assert attnstash.layer_stash_stats(twin).keys() == {1, 2}
+    with pytest.raises(ValueError, match="already has the stash"):
+        attnstash.install_attention_stash(twin, 1)
+    # Each trains with its own records: the copy's forward is held while the original trains.
+    loss_twin = twin(input_ids=ids, labels=ids).loss
+    assert attnstash.layer_stash_stats(twin) != attnstash.layer_stash_stats(model)
+    keeps, replays = counters()
+    assert_bitwise_equal(loss_and_grads(model, ids), reference)
+    assert counters() == (keeps + 2, replays + 2)
+    assert attnstash.layer_stash_stats(twin)[2][0] == 1  # the original's backward left the copy's record
+    loss_twin.backward()
+    assert torch.equal(loss_twin.detach(), reference[0])
+    attnstash.uninstall_attention_stash(twin)
+    assert not any(hasattr(m, "_attnstash") or hasattr(m, "_attnstash_slots") for m in twin.modules())
+    assert attnstash.install_attention_stash(twin, 1) == [2]  # once uninstalled, it can be installed
+    attnstash.uninstall_attention_stash(twin)
+    assert attnstash.layer_stash_stats(model).keys() == {1, 2}  # the original keeps its install
+
+
+def test_one_input_through_two_forwards_before_their_backwards(installed):
+    # The same inputs_embeds twice before either backward: the two forwards of the first
+    # layer cannot be told apart at their recomputes, but they are bitwise the same, so
+    # they share one record; both backwards give the normal recompute's gradients.
+    base = tiny_model("llama")
+    ids = batch()
+    embeds = base.get_input_embeddings()(ids).detach().requires_grad_()
+
+    def two_forwards(model):
+        model.zero_grad(set_to_none=True)
+        e = embeds.detach().clone().requires_grad_()
+        first = model(inputs_embeds=e, labels=ids).loss
+        second = model(inputs_embeds=e, labels=ids).loss
+        second.backward()
+        first.backward()
+        return first.detach() + second.detach(), {"embeds": e.grad, **{n: p.grad for n, p in
+                                                                      model.named_parameters() if p.grad is not None}}
+
+    reference = two_forwards(clone(base))
+    model = clone(base)
+    installed(model)
+    keeps, replays = counters()
+    assert_bitwise_equal(two_forwards(model), reference)
+    assert counters() == (keeps + 6, replays + 6)
+
+
+def test_one_input_through_two_different_forwards_is_refused_with_the_reason(installed):
+    # Other position ids: the first layer's attention differs between the two forwards,
+    # which a recompute could not tell apart.
+    model = tiny_model("llama")
+    installed(model)
+    ids = batch()
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+    first = model(inputs_embeds=embeds, labels=ids).loss
+    positions = torch.arange(ids.shape[1]).unsqueeze(0) + 5
+    with pytest.raises(RuntimeError) as info:
+        model(inputs_embeds=embeds, labels=ids, position_ids=positions)
+    msg = str(info.value)
+    assert "decoder layer 0" in msg and "different result" in msg and "inputs_embeds.clone()" in msg
+    first.backward()  # the first forward is unharmed
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_a_recompute_that_would_not_reproduce_its_random_numbers_is_refused(mode, installed):
+    # Dropout before the projections (LoRA dropout here) with preserve_rng_state=False: the
+    # recompute's query, key and value would differ from the first forward's.
+    peft = pytest.importorskip("peft")
+    base = tiny_model("llama")
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.5))
+    model.train()
+    kwargs = {"use_reentrant": mode == "reentrant", "preserve_rng_state": False}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if mode == "reentrant":
+        model.enable_input_require_grads()
+    installed(model)
+    msg = run_error(model)
+    assert "draws random numbers before its attention" in msg and "preserve_rng_state=True" in msg
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_lora_dropout_with_the_random_state_restored_trains_bitwise(mode, installed):
+    peft = pytest.importorskip("peft")
+
+    def make():
+        model = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                                       lora_dropout=0.5))
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+        if mode == "reentrant":
+            model.enable_input_require_grads()
+        return model
+
+    ids = batch()
+
+    def step(model):
+        torch.manual_seed(7)
+        return loss_and_grads(model, ids)
+
+    reference = step(make())
+    model = make()
+    installed(model)
+    assert_bitwise_equal(step(model), reference)

@@ -488,7 +488,7 @@ def test_a_recompute_given_an_alias_of_the_mask_checks_its_version_not_its_value
     assert attnstash.stash_stats()["entries"] == 0
 
 
-def test_entries_of_a_freed_anchor_are_released_by_the_next_call_and_never_matched():
+def test_entries_of_a_freed_anchor_are_released_by_the_next_call_or_stats_and_never_matched():
     torch.manual_seed(0)
     q, k, v = qkv(torch.float32, 4, 4, 64)
     anchor = torch.randn(64, 1024, requires_grad=True)  # 256 KiB: malloc gives such blocks back on free
@@ -498,7 +498,7 @@ def test_entries_of_a_freed_anchor_are_released_by_the_next_call_and_never_match
         ops.sdpa_fwd_keep(q, k, v, anchor, 0)
     del anchor
     gc.collect()
-    assert attnstash.stash_stats()["entries"] == 1  # nothing has called the ops since
+    assert list(ops.held_by_slot()) == [0]  # still held: nothing has called the ops since
     # A new anchor, likely at the same address, with the same version and shape.
     reuse = [torch.randn(64, 1024, requires_grad=True) for _ in range(4)]
     same = [t for t in reuse if t.data_ptr() == address]
@@ -508,6 +508,13 @@ def test_entries_of_a_freed_anchor_are_released_by_the_next_call_and_never_match
     assert "no attention output is kept" in msg
     stats = attnstash.stash_stats()
     assert stats["entries"] == 0 and stats["released_unused"] == released + 1
+    # stash_stats() itself releases what freed anchors left, so that it reports what is held.
+    anchor = anchor_for(q)
+    with torch.no_grad():
+        ops.sdpa_fwd_keep(q, k, v, anchor, 0)
+    del anchor
+    gc.collect()
+    assert attnstash.stash_stats()["entries"] == 0
 
 
 def test_stash_clear_releases_everything():
@@ -586,3 +593,67 @@ def test_compiled_fullgraph_call_matches_eager():
     g = torch.randn_like(eager)
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(eager, (q, k, v), g),
                                                  torch.autograd.grad(compiled, (q, k, v), g)))
+
+
+# ---- inputs F.sdpa refuses get PyTorch's own words --------------------------------------------
+
+def invalid_inputs(case):
+    """(q, k, v, mask, kwargs) that F.sdpa refuses, and a piece of the error it gives."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    if case == "dtypes differ":
+        return q, k.bfloat16(), v, None, {}, "Expected query, key, and value to have the same dtype"
+    if case == "heads do not divide":
+        return torch.randn(2, 6, 8, 16), k, v, None, {"enable_gqa": True}, "must divide the number of heads"
+    if case == "head_dim differs":
+        return q, torch.randn(2, 4, 8, 32), v, None, {}, "Expected size for first two dimensions of batch2"
+    if case == "mask shape":
+        return q, k, v, torch.zeros(2, 1, 9, 8), {}, "9"
+    if case == "mask dtype":
+        return q, k, v, torch.zeros(2, 1, 8, 8, dtype=torch.int32), {}, "Expected attn_mask dtype to be bool or float"
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case", ["dtypes differ", "heads do not divide", "head_dim differs", "mask shape",
+                                  "mask dtype"])
+def test_inputs_fsdpa_refuses_get_its_own_error_when_kept(case):
+    q, k, v, mask, kwargs, words = invalid_inputs(case)
+    with pytest.raises(RuntimeError) as plain:
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+    assert words in str(plain.value)
+    with torch.no_grad():
+        msg = error_of(lambda: ops.sdpa_fwd_keep(q, k, v, anchor_for(q), 0, mask, **kwargs))
+    assert words in msg and "math backend" not in msg
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def test_a_nan_scale_replays_without_a_false_mismatch():
+    q, k, v = qkv(torch.float32, 4, 4, 64)
+    anchor = anchor_for(q)
+    with torch.no_grad():
+        kept = ops.sdpa_fwd_keep(q, k, v, anchor, 0, scale=float("nan"))
+        replayed = ops.sdpa_replay(q, k, v, anchor, 0, scale=float("nan"))
+    assert replayed.data_ptr() == kept.data_ptr() and kept.isnan().all()
+
+
+def test_a_mask_that_requires_grad_in_a_reentrant_checkpoint_gets_the_mask_error():
+    block = Block(64, 4, 4, 16, torch.float32, False, use_stash=True)
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    mask = torch.zeros(2, 1, 8, 8, requires_grad=True)
+
+    def masked(x, mask):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, 16).transpose(1, 2) for p in (block.q, block.k, block.v))
+        return ops.sdpa_fwd_keep(q, k, v, x, 0, mask)
+
+    msg = error_of(lambda: checkpoint(masked, x, mask, use_reentrant=True))
+    assert "attn_mask requires grad" in msg and "detach" in msg
+
+
+@pytest.mark.parametrize("layout", ["strided", "jagged"])
+def test_a_nested_query_gets_a_clear_error_when_kept(layout):
+    nt = torch.nested.nested_tensor([torch.randn(2, 5, 16), torch.randn(2, 7, 16)],
+                                    layout=torch.jagged if layout == "jagged" else torch.strided)
+    with torch.no_grad():
+        msg = error_of(lambda: ops.sdpa_fwd_keep(nt, nt, nt, torch.randn(3, requires_grad=True), 0))
+    assert "nested" in msg and "dense" in msg

@@ -1,0 +1,358 @@
+"""The set-ups real training runs use every day, with the stash on Hugging Face models:
+mixed precision (autocast with fp32 weights), forwards dropped without a backward, no-grad
+forwards, interrupted steps, several threads on one model. Each gives the loss and
+gradients of the normal recompute bitwise, or a clear error, and leaves nothing held.
+Run under both transformers versions (make test)."""
+import gc
+import random
+import threading
+import weakref
+
+import pytest
+import torch
+
+import attnstash
+from attnstash import huggingface
+from tiny_models import assert_bitwise_equal, batch, clone, loss_and_grads, tiny_model
+
+MODES = {"reentrant": True, "non-reentrant": False}
+
+
+@pytest.fixture
+def installed():
+    """Install through this, so that every test ends with the stash uninstalled."""
+    models = []
+
+    def install(model, n=None, **kwargs):
+        layers = attnstash.install_attention_stash(model, n, **kwargs)
+        models.append(model)
+        return layers
+
+    yield install
+    for model in models:
+        try:
+            attnstash.uninstall_attention_stash(model)
+        except ValueError:
+            pass
+
+
+def checkpointed(arch="llama", mode="reentrant", **kwargs):
+    model = tiny_model(arch, **kwargs)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": MODES[mode]})
+    return model
+
+
+def counts():
+    s = attnstash.stash_stats()
+    return s["keeps"], s["replays"]
+
+
+def assert_nothing_held():
+    s = attnstash.stash_stats()
+    assert s["entries"] == 0 and s["bytes"] == 0, s
+    for frame in getattr(huggingface._tls, "frames", []):  # only what interrupted forwards left
+        assert frame.anchor() is None, "a frame left by an interrupted forward holds its anchor"
+
+
+
+
+# ---- mixed precision ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded"])
+def test_an_fp32_model_under_autocast_trains_bitwise_like_without_the_stash(mode, dtype, padded, installed):
+    # Hugging Face's rotary embedding leaves query and key in fp32 while value comes out of
+    # the projection in the autocast dtype: the ops must cast them all, as F.sdpa does.
+    base = checkpointed("llama", mode)
+    ids = batch()
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :7] = 0
+
+    def step(model):
+        with torch.autocast("cpu", dtype=dtype):
+            return loss_and_grads(model, ids, attention_mask=mask)
+
+    reference = step(clone(base))
+    assert_bitwise_equal(reference, step(clone(base)))  # the baseline is reproducible
+    model = clone(base)
+    installed(model)
+    keeps, replays = counts()
+    assert_bitwise_equal(step(model), reference)
+    assert counts() == (keeps + 3, replays + 3)  # every layer kept and replayed: no silent fallback
+    assert_nothing_held()
+
+
+def test_the_kept_output_under_autocast_is_in_the_autocast_dtype(installed):
+    # Were q, k and v kept in fp32, the loss would differ from autocast's (checked above);
+    # here the held bytes show it directly: bf16 output + fp32 log-sum-exp.
+    model = checkpointed("llama")
+    installed(model, 1)
+    ids = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    heads, head_dim = 4, 16
+    assert attnstash.layer_stash_stats(model)[2] == (1, 2 * heads * 24 * head_dim * 2 + 2 * heads * 24 * 4)
+    loss.backward()
+    assert_nothing_held()
+
+
+# ---- forwards that never get a backward -----------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dropped_forward_is_released_as_soon_as_its_graph_is(mode, installed):
+    model = checkpointed("llama", mode)
+    installed(model)
+    released = attnstash.stash_stats()["released_unused"]
+    ids = batch()
+    out = model(input_ids=ids, labels=ids)
+    assert attnstash.stash_stats()["entries"] == 3
+    del out
+    gc.collect()
+    stats = attnstash.stash_stats()
+    assert stats["entries"] == 0 and stats["bytes"] == 0  # no later forward was needed
+    assert stats["released_unused"] == released + 3
+    # and training goes on
+    assert_bitwise_equal(loss_and_grads(model, ids), loss_and_grads(attnstash_free_copy(model), ids))
+    assert_nothing_held()
+
+
+def attnstash_free_copy(model):
+    """A deep copy of a stashed model without the stash."""
+    copy = clone(model)
+    attnstash.uninstall_attention_stash(copy)
+    return copy
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dropped_forward_frees_every_layer_input(mode, installed):
+    # The kept entries must not hold the graph (and through it every layer's input).
+    model = checkpointed("llama", mode)
+    installed(model)
+    inputs = []
+    hooks = [layer.register_forward_pre_hook(lambda m, a: inputs.append(weakref.ref(a[0])) if not
+                                             huggingface._in_backward() else None)
+             for layer in model.model.layers]
+    try:
+        ids = batch()
+        out = model(input_ids=ids, labels=ids)
+        assert all(r() is not None for r in inputs) and len(inputs) == 3
+        del out
+        gc.collect()
+        assert all(r() is None for r in inputs), "a dropped forward's layer inputs are still held"
+    finally:
+        for h in hooks:
+            h.remove()
+    assert_nothing_held()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_no_grad_forward_on_inputs_the_user_holds_keeps_nothing(mode, installed):
+    # Train mode, checkpointing on, inputs_embeds that require grad, under no_grad: no
+    # backward can reach it, so nothing may be kept; the next training step on the same
+    # tensor then works and equals the one without the stash.
+    base = checkpointed("llama", mode)
+    model = clone(base)
+    installed(model)
+    ids = batch()
+    embeds = base.get_input_embeddings()(ids).detach().requires_grad_()
+    keeps = attnstash.stash_stats()["keeps"]
+    with torch.no_grad():
+        model(inputs_embeds=embeds, labels=ids)
+    assert attnstash.stash_stats()["keeps"] == keeps and attnstash.stash_stats()["entries"] == 0
+
+    def step(m):
+        m.zero_grad(set_to_none=True)
+        e = embeds.detach().requires_grad_()
+        loss = m(inputs_embeds=e, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {"embeds": e.grad, **{n: p.grad for n, p in m.named_parameters() if p.grad is not None}}
+
+    assert_bitwise_equal(step(model), step(clone(base)))
+    assert_nothing_held()
+
+
+# ---- interrupted steps ----------------------------------------------------------------------
+
+class Interrupt(BaseException):
+    """Stands in for KeyboardInterrupt (a BaseException, not an Exception)."""
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_interrupted_steps_leave_nothing_held(mode):
+    # Interrupt at a random module call of a random step, in the forward or in the backward
+    # (recompute); once the step and its graph are gone, nothing may be held, with no later
+    # forward needed; training then goes on bitwise like without the stash, and the model
+    # is garbage once dropped (nothing left behind holds it).
+    model = checkpointed("llama", mode)
+    attnstash.install_attention_stash(model)
+    rng = random.Random(0)
+    # Leaf modules of the decoder layers run once in the forward and once in the recompute:
+    # the interrupt comes in the first (after=0) or in the second (after=1).
+    names = [n for n, m in model.model.layers.named_modules() if not list(m.children())]
+    ids = batch()
+    interrupted = 0
+    for trial in range(30):
+        target, after = model.model.layers.get_submodule(rng.choice(names)), rng.randint(0, 1)
+        calls = [0]
+
+        def hook(module, args):
+            calls[0] += 1
+            if calls[0] > after:
+                raise Interrupt()
+
+        handle = target.register_forward_pre_hook(hook)
+        target = None
+        try:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        except Interrupt:
+            interrupted += 1
+        finally:
+            handle.remove()
+        loss = None
+        gc.collect()
+        s = attnstash.stash_stats()
+        assert s["entries"] == 0 and s["bytes"] == 0, f"trial {trial}: {s}"
+        assert_nothing_held()
+        model.zero_grad(set_to_none=True)
+    assert interrupted == 30
+    assert_bitwise_equal(loss_and_grads(model, ids), loss_and_grads(attnstash_free_copy(model), ids))
+    attnstash.uninstall_attention_stash(model)
+    model.zero_grad(set_to_none=True)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None, "something still holds the model"
+
+
+def test_a_keyboard_interrupt_in_a_layer_releases_its_kept_output_at_once(installed):
+    model = checkpointed("llama")
+    installed(model)
+    raised = []
+
+    def interrupt(module, args):
+        raised.append(1)
+        raise KeyboardInterrupt
+
+    handle = model.model.layers[1].mlp.register_forward_pre_hook(interrupt)
+    ids = batch()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model(input_ids=ids, labels=ids)
+    finally:
+        handle.remove()
+    gc.collect()
+    assert raised and attnstash.stash_stats()["entries"] == 0
+    assert_nothing_held()
+
+
+# ---- several threads, one model ---------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_threads_training_one_model_get_the_single_threaded_gradients(mode, installed):
+    # Two threads, one model, each its own batches, forwards and recomputes interleaved.
+    # Non-reentrant: each thread takes autograd.grad, fully concurrently. Reentrant
+    # checkpointing refuses autograd.grad, so each thread runs backward() under a lock (its
+    # forward still runs while the other thread is in its backward, recompute included)
+    # and reads the gradients it accumulated.
+    base = checkpointed("llama", mode)
+    batches = [batch(seed=s) for s in range(12)]
+    params = list(base.parameters())
+    backward_lock = threading.Lock()
+
+    def grads(model, ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        if mode == "non-reentrant":
+            return [loss.detach()] + list(torch.autograd.grad(loss, list(model.parameters())))
+        with backward_lock:
+            model.zero_grad(set_to_none=True)
+            loss.backward()
+            out = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+        return out
+
+    reference = [grads(base, ids) for ids in batches]
+    assert len(reference[0]) == len(params) + 1
+    model = clone(base)
+    installed(model)
+    keeps, replays = counts()
+    results, errors = {}, []
+
+    def worker(indices):
+        try:
+            for i in indices:
+                results[i] = grads(model, batches[i])
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(range(k, 12, 2),)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(12):
+        assert all(torch.equal(a, b) for a, b in zip(results[i], reference[i])), f"batch {i} differs"
+    assert counts() == (keeps + 36, replays + 36)
+    assert_nothing_held()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_data_parallel_replicas_share_the_install_and_train_like_the_model(mode, installed):
+    # torch.nn.DataParallel replicates a module by copying its __dict__ (so every replica's
+    # layers share the stash) and runs the replicas in threads. Its replication needs CUDA;
+    # this runs the same replication (Module._replicate_for_data_parallel) and threads on CPU.
+    if mode == "reentrant":
+        pytest.skip("reentrant checkpointing refuses autograd.grad, which the replicas' threads take")
+    base = checkpointed("llama", mode)
+    model = clone(base)
+    installed(model)
+    replicas = [replicate(model) for _ in range(2)]
+    batches = [batch(seed=s) for s in (3, 4)]
+    results, errors = [None, None], []
+
+    def run(k):
+        try:
+            loss = replicas[k](input_ids=batches[k], labels=batches[k]).loss
+            results[k] = [loss.detach()] + list(torch.autograd.grad(loss, list(replicas[k].parameters())))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for k in range(2):
+        loss = base(input_ids=batches[k], labels=batches[k]).loss
+        want = [loss.detach()] + list(torch.autograd.grad(loss, list(base.parameters())))
+        assert all(torch.equal(a, b) for a, b in zip(results[k], want))
+    # DataParallel itself on a machine without GPUs runs the module as it is.
+    dp = torch.nn.DataParallel(model)
+    ids = batches[0]
+    keeps = attnstash.stash_stats()["keeps"]
+    dp(input_ids=ids, labels=ids).loss.backward()
+    if not torch.cuda.is_available():
+        assert attnstash.stash_stats()["keeps"] == keeps + 3
+    assert_nothing_held()
+
+
+def replicate(module):
+    """What torch.nn.parallel.replicate does to each module, without moving anything to a
+    GPU: a shallow copy of its __dict__ sharing the parameters."""
+    memo = {}
+
+    def copy(m):
+        if m in memo:
+            return memo[m]
+        r = m._replicate_for_data_parallel()
+        r._parameters = dict(m._parameters)  # (replicate() sets broadcast copies here)
+        memo[m] = r
+        for name, child in m._modules.items():
+            r._modules[name] = copy(child) if child is not None else None
+        return r
+
+    return copy(module)
