@@ -5,6 +5,7 @@
 #                   tests again under transformers 4.57 (a second venv, same torch)
 #   make sanitize   the C registry suite under ASan+UBSan, and under TSan
 #   make bench      python -m attnstash.bench (BENCH_ARGS="--mode layer", "--mode soak", ...)
+#   make sweep      every causal-LM type of both transformers versions, with and without the stash
 #   make build      only (re)build attnstash/_C into the venv
 #
 # Another torch: make test TORCH=torch==2.14.1 VENV=.venv-214
@@ -25,7 +26,7 @@ BUILD_DIR ?= build/$(notdir $(VENV))
 PYTEST_ARGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all venv gtest build demo bench test test-cpp test-python test-hf4 sanitize clean
+.PHONY: all venv gtest build demo bench test test-cpp test-python test-hf4 sweep sanitize clean
 all: test
 
 venv:
@@ -70,7 +71,8 @@ test-python: build
 
 # The tests that depend on transformers, again under transformers 4.57: the same extension
 # (same torch, same Python) imported from the source tree.
-HF_TESTS = tests/python/test_huggingface.py tests/python/test_training_setups.py
+HF_TESTS = tests/python/test_huggingface.py tests/python/test_training_setups.py tests/python/test_trainer.py \
+  tests/python/test_plan.py tests/python/test_model_sweep.py tests/python/test_budget.py
 test-hf4: build
 ifndef NO_VENV
 	@$(MAKE) --no-print-directory venv VENV=$(HF4_VENV) TRANSFORMERS=$(HF4_TRANSFORMERS) TORCH=$(TORCH)
@@ -78,6 +80,18 @@ ifndef NO_VENV
 endif
 
 test: test-cpp test-python test-hf4
+
+# The supported-architecture sweep: every causal-LM type of both transformers, built tiny,
+# trained with and without the stash (about 10 + 7 minutes on 2 cores); out/sweep-<version>/.
+SWEEP_ARGS ?=
+sweep: build
+ifndef NO_VENV
+	@$(MAKE) --no-print-directory venv VENV=$(HF4_VENV) TRANSFORMERS=$(HF4_TRANSFORMERS) TORCH=$(TORCH)
+endif
+	@rc=0; \
+	$(PYTHON) tests/python/sweep_models.py --out out/sweep-$(basename $(patsubst transformers==%,%,$(TRANSFORMERS))) $(SWEEP_ARGS) || rc=1; \
+	$(if $(NO_VENV),,PYTHONPATH=$(CURDIR) $(HF4_VENV)/bin/python tests/python/sweep_models.py --out out/sweep-$(basename $(patsubst transformers==%,%,$(HF4_TRANSFORMERS))) $(SWEEP_ARGS) || rc=1;) \
+	exit $$rc
 
 sanitize: gtest
 	cmake -S . -B build/asan -DATTNSTASH_WITH_TORCH=OFF -DATTNSTASH_BUILD_TESTS=ON \

@@ -27,6 +27,7 @@ _EXPORTS = {
     "parse_bytes": "ops",
     "install_attention_stash": "huggingface", "uninstall_attention_stash": "huggingface",
     "layer_stash_stats": "huggingface", "attention_layers": "huggingface",
+    "AttentionStashCallback": "trainer", "plan": "plan",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -44,7 +44,7 @@ _SLOTS = "_attnstash_slots"  # {stash token: slot}, on each stashed attention mo
 _slots = itertools.count(1)
 _lock = threading.RLock()
 _live = weakref.WeakSet()  # every _LayerStash in use (deep copies of models included)
-_patched = None  # (ALL_ATTENTION_FUNCTIONS, original "sdpa" entry, whether it was a local override, GCL __call__)
+_patched = None  # (ALL_ATTENTION_FUNCTIONS, the sdpa function wrapped, the class-wide entry, the local one, GCL __call__)
 _tls = threading.local()  # .frames: the stashed layers this thread is running, innermost last
 
 
@@ -180,18 +180,24 @@ def attention_layers(model):
 
 
 def _describe_missing_attention(model, layers):
-    """What a model without registry attention has instead, for the error."""
+    """What a model without stashable attention has instead, for the error."""
+    from transformers import PreTrainedModel
+    registry = sorted({type(m).__name__ for m in model.modules() if _class_calls_registry(type(m))
+                       and not isinstance(m, PreTrainedModel)})
     direct = sorted({type(m).__name__ for m in model.modules() if _class_calls_sdpa_directly(type(m))
                      and "Attention" in type(m).__name__})
-    named = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__
-                    or "Attn" in type(m).__name__})
+    named = sorted({type(m).__name__ for m in model.modules() if ("Attention" in type(m).__name__
+                    or "Attn" in type(m).__name__) and type(m).__name__ not in registry + direct})
     parts = [f"{len(layers)} decoder layers (GradientCheckpointingLayer)"]
+    if registry:
+        parts.append("attention that calls ALL_ATTENTION_FUNCTIONS (" + ", ".join(registry) + ") outside any "
+                     "GradientCheckpointingLayer, whose layers transformers checkpoints its own way here")
     if direct:
         parts.append("attention that calls F.scaled_dot_product_attention directly (" + ", ".join(direct) + "), "
-                     "which attnstash cannot reach: a newer transformers routes it through ALL_ATTENTION_FUNCTIONS")
-    elif named:
-        parts.append("modules named like attention that do not use ALL_ATTENTION_FUNCTIONS (" + ", ".join(named) + ")")
-    else:
+                     "which attnstash cannot reach: it routes ALL_ATTENTION_FUNCTIONS['sdpa'] only")
+    if named:
+        parts.append("modules named like attention that do neither (" + ", ".join(named) + ")")
+    if not (registry or direct or named):
         parts.append("no attention modules")
     return "; ".join(parts)
 
@@ -243,8 +249,9 @@ def _stashed_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
             "not match them. Checkpoint with preserve_rng_state=True (the default), or do not stash this layer.")
     frame.routed[id(module)] = frame.routed.get(id(module), 0) + 1
     if frame.routed[id(module)] > 1:
-        raise RuntimeError(f"attnstash: {name} ran twice in one forward of the layer; the stash keeps one output "
-                           "per attention and forward. Do not stash this layer.")
+        raise RuntimeError(f"attnstash: {name} called ALL_ATTENTION_FUNCTIONS['sdpa'] twice in one forward of the "
+                           "layer; the stash keeps one output per attention module and forward, so it cannot stash "
+                           "this layer. Install on the layers after it (num_layers), or use another model.")
     try:
         with _RouteSdpaToStash(anchor, slot, name):
             out = original(module, query, key, value, attention_mask, *args, **kwargs)
@@ -289,7 +296,7 @@ def _layer_call(layer, *args, **kwargs):
     """GradientCheckpointingLayer.__call__ while the stash is installed: for a training
     forward of a stashed layer, the grad mode outside its checkpoint, and what it kept."""
     stash = layer.__dict__.get(_ATTR)
-    original = _patched[3]
+    original = _patched[4]
     if stash is None or not layer.training or _in_backward():
         return original(layer, *args, **kwargs)
     outer = _Outer(torch.is_grad_enabled())
@@ -448,11 +455,18 @@ def _stashes_of(model):
 
 
 def _patch_globals(interface, layer_class):
+    """Route "sdpa" to the stash for every attention interface: the class-wide mapping
+    (which models with an AttentionInterface of their own read, e.g. Doge) and the shared
+    instance's local override, if it has one (the function then wrapped)."""
     global _patched
     if _patched is None:
-        had_local = "sdpa" in getattr(interface, "_local_mapping", {})
-        _patched = (interface, interface["sdpa"], had_local, layer_class.__call__)
-        interface["sdpa"] = _stashed_sdpa
+        shared = type(interface)._global_mapping
+        local = getattr(interface, "_local_mapping", {})
+        original = local["sdpa"] if "sdpa" in local else shared["sdpa"]
+        _patched = (interface, original, shared["sdpa"], dict(local).get("sdpa"), layer_class.__call__)
+        shared["sdpa"] = _stashed_sdpa
+        if "sdpa" in local:
+            interface["sdpa"] = _stashed_sdpa
         layer_class.__call__ = _layer_call
 
 
@@ -461,11 +475,10 @@ def _unpatch_globals(layer_class):
     if _live:
         gc.collect()  # stashes of models that are garbage but not yet collected
     if _patched is not None and not _live:
-        interface, original, had_local, call = _patched
-        if had_local:
-            interface["sdpa"] = original
-        else:
-            del interface["sdpa"]  # the local override goes; the global entry shows again
+        interface, _, shared_original, local_original, call = _patched
+        type(interface)._global_mapping["sdpa"] = shared_original
+        if local_original is not None:
+            interface["sdpa"] = local_original
         layer_class.__call__ = call
         _patched = None
 
@@ -554,6 +567,7 @@ def install_attention_stash(model, num_layers=None, *, max_bytes=None):
                 layer.register_forward_hook(_FrameEndHook(), with_kwargs=True, always_call=True)
             if budget is not None:
                 ops.stash_set_max_bytes(budget)
+            ops.stash_reset_peak()  # so that peak_bytes tells about the installed run
         except BaseException:
             for layer in done:
                 _detach(layer)
@@ -579,10 +593,12 @@ def uninstall_attention_stash(model):
 
 
 def layer_stash_stats(model):
-    """{decoder layer index: (entries, bytes)} held now for this model's stashed layers."""
+    """{decoder layer index: Held(entries, bytes, declined)} held now for this model's
+    stashed layers: records (kept or declined) and bytes, and how many of those records
+    the budget declined (their recompute runs attention)."""
     held = ops.held_by_slot()
     stats = {}
     for _, stash in _stashes_of(model):
-        slots = [held.get(slot, (0, 0)) for slot in stash.slots.values()]
-        stats[stash.index] = (sum(e for e, _ in slots), sum(b for _, b in slots))
+        slots = [held.get(slot, ops.Held(0, 0, 0)) for slot in stash.slots.values()]
+        stats[stash.index] = ops.Held(*(sum(column) for column in zip(*slots)))
     return stats

@@ -4,7 +4,7 @@ Typed wrappers with their contracts, the stash's Python API, and the fake kernel
 let torch.compile and FakeTensor trace the ops.
 """
 import re
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -133,10 +133,18 @@ def stash_max_bytes() -> Optional[int]:
     return None if value < 0 else value
 
 
+class Held(NamedTuple):
+    """What the stash holds for one slot (or one layer): records, bytes, and how many of
+    those records are declined (held without bytes: their recompute runs attention)."""
+    entries: int
+    bytes: int
+    declined: int
+
+
 def held_by_slot() -> dict:
-    """{slot: (entries, bytes)} for every slot that holds something."""
+    """{slot: Held(entries, bytes, declined)} for every slot that holds something."""
     flat = _ops.stash_held_by_slot()
-    return {flat[i]: (flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)}
+    return {flat[i]: Held(*flat[i + 1:i + 4]) for i in range(0, len(flat), 4)}
 
 
 def entry_id(anchor, slot: int) -> int:

@@ -22,8 +22,14 @@
  * reference it handed out: whoever took it releases it.
  *
  * Budget. max_bytes caps the bytes held at any moment (default: no cap). A keep that
- * would pass it stores nothing and returns STASH_ERR_BUDGET; the caller may then
- * store a declined record with stash_decline.
+ * would pass it first makes room by demoting the oldest kept records (lowest ids) whose
+ * entries can be demoted (a `demote` callback): each becomes a declined record, holding
+ * 0 bytes and the stand-in payload its callback returns, and its forwards count as
+ * declined instead of kept. In a training step the oldest records are the first
+ * layers', held longest (until the end of backward), so the budget goes to the last
+ * layers. If demoting every such record would not make room, nothing is demoted or
+ * stored and the keep returns STASH_ERR_BUDGET; the caller may then store a declined
+ * record with stash_decline.
  *
  * Keys: (anchor, version, shape, slot). `anchor` is the identity of the tensor that
  * ties a recompute to its first forward (its data pointer), `version` its version
@@ -32,8 +38,8 @@
  *
  * Errors come back as a stash_status; nothing here aborts, exits or leaks. Every
  * function may be called from any thread. Release callbacks run after the
- * registry's lock is dropped, so they may call back into the registry. Retain
- * callbacks, predicates and visitors run under the lock and must not.
+ * registry's lock is dropped, so they may call back into the registry. Retain and
+ * demote callbacks, predicates and visitors run under the lock and must not.
  */
 #ifndef ATTNSTASH_STASH_REGISTRY_H
 #define ATTNSTASH_STASH_REGISTRY_H
@@ -57,11 +63,16 @@ typedef struct stash_key {
 
 typedef void (*stash_payload_fn)(void *payload);
 
+/* A declined stand-in for `payload` (a new payload with one reference, for the registry),
+ * or NULL if none can be made (then the record stays kept). */
+typedef void *(*stash_demote_fn)(void *payload);
+
 typedef struct stash_entry {
   void *payload;             /* one reference is owned by the registry while held */
   size_t bytes;              /* counted in stats while held (declined records: 0) */
   stash_payload_fn retain;   /* adds a reference to payload; may be NULL if never shared */
   stash_payload_fn release;  /* drops a reference to payload; may be NULL */
+  stash_demote_fn demote;    /* makes room under the budget; NULL: never demoted */
 } stash_entry;
 
 /* A held record, as predicates and visitors see it (under the lock). */
@@ -113,8 +124,9 @@ stash_status stash_registry_create(stash_registry **out);
 /* Release every held record (as stash_clear) and free the registry. NULL is a no-op. */
 void stash_registry_destroy(stash_registry *registry);
 
-/* Store `entry` under `key` as a kept record; *id (may be NULL) receives its id. On any
- * error nothing is stored and the caller still owns its reference to the payload. */
+/* Store `entry` under `key` as a kept record (demoting older records to make room under
+ * the budget, see above); *id (may be NULL) receives its id. On any error nothing is
+ * stored or demoted, and the caller still owns its reference to the payload. */
 stash_status stash_keep(stash_registry *registry, const stash_key *key, stash_entry entry, uint64_t *id);
 
 /* Store `entry` under `key` as a declined record (its bytes are not counted), as stash_keep

@@ -109,6 +109,13 @@ std::optional<std::string> call_difference(const SdpaCall& c, const KeptEntry& e
   if (c.attn_mask.has_value()) mask_now = TensorMeta::of(*c.attn_mask);
   if (mask_now.has_value() != e.mask.has_value() || (mask_now && !(*mask_now == *e.mask)))
     return differs("attn_mask", mask_str(e.mask), mask_str(mask_now));
+  // A mask made from parameters (a learned position bias folded into it, say) requires grad
+  // only in a reentrant recompute: its first forward ran under no_grad.
+  if (mask_now.has_value() && c.attn_mask->requires_grad())
+    return std::string(
+        "the recompute's attn_mask requires grad (it is computed from parameters, which a reentrant first "
+        "forward under no_grad does not show), but the kept path gives masks no gradient, as PyTorch's flash and "
+        "cuDNN derivatives do. Do not stash this layer, or compute the mask without gradient (detach it)");
   if (mask_now.has_value()) {
     if (auto first = e.mask_impl.lock()) {  // the first forward's mask still lives: compare
       const at::Tensor& now = *c.attn_mask;
@@ -143,8 +150,8 @@ std::optional<std::string> call_difference(const SdpaCall& c, const KeptEntry& e
   if (check_backend) {
     int64_t choice = at::_fused_sdp_choice(c.query, c.key, c.value, c.attn_mask, c.dropout_p, c.is_causal, c.scale,
                                            c.enable_gqa);
-    if (choice != e.attention.backend->id)
-      return differs("SDPA backend", sdpa_backend_name(e.attention.backend->id), sdpa_backend_name(choice));
+    int64_t kept = static_cast<int64_t>(e.attention.backend->id);
+    if (choice != kept) return differs("SDPA backend", sdpa_backend_name(kept), sdpa_backend_name(choice));
   }
   if (e.attention.output.defined() && e.attention.output._version() != e.output_version)
     return std::string(
@@ -253,7 +260,8 @@ KeptForward keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t sl
       stash_release_stale(kept.key);
       stored = stash_store(kept.key, entry);
     } else if (held.entry && interchangeable(c, *entry, *held.entry) && stash_share(kept.key, held.id)) {
-      stored = Stored{held.id, held.entry->declined, false};
+      // (Sharing an evicted record: this forward's node saves what one kept would.)
+      stored = Stored{held.id, node_saves_output(*held.entry), false};
     }
     TORCH_CHECK(!stored.duplicate, "attnstash::", op, ": this anchor (", anchor_str(anchor), ") already went through "
                 "this attention (slot ", slot, ") in a forward whose recompute has not come yet, with a different "
@@ -309,6 +317,8 @@ KeptPtr take_owned(const SdpaCall& c, EntryOwner& owner) {
   check_same_call(c, *e, /*check_backend=*/false, op, "the kept output has been released");
   return e;
 }
+
+bool node_saves_output(const KeptEntry& record) { return record.declined && !record.evicted; }
 
 bool held_by_non_reentrant(const at::Tensor& anchor, int64_t slot) {
   Taken held = stash_peek(key_of(anchor, slot, "sdpa_fwd_keep"));

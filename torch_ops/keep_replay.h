@@ -50,6 +50,12 @@ struct KeptForward {
   bool declined = false;    // the budget had no room: the recompute runs the forward itself
 };
 
+// What a non-reentrant node keeps of its attention call's tensors, decided by its record:
+// kept (query, key, value, mask; output and log-sum-exp are in the stash), declined when
+// kept (those and output, log-sum-exp and extras, as F.sdpa's own node), or evicted
+// after (query, key, value, mask; the recompute leaves the attention in the record).
+bool node_saves_output(const KeptEntry& record);
+
 // Run the forward F.sdpa would run, with its log-sum-exp, and keep it for (anchor, slot),
 // or a declined record if the budget has no room. Fails clearly (PyTorch's own error for
 // inputs F.sdpa refuses) if the call cannot be kept. A forward that repeats one held for

@@ -60,7 +60,7 @@ TORCH_LIBRARY(attnstash, m) {
   // Sets the budget: the most bytes the stash holds at once (negative: no budget). A keep
   // that would pass it is declined: that layer's recompute runs attention as usual.
   m.def("stash_set_max_bytes(int max_bytes) -> ()", &attnstash::stash_set_max_bytes);
-  // [slot, entries, bytes] for each slot that holds something.
+  // [slot, entries, bytes, declined entries] for each slot that holds something.
   m.def("stash_held_by_slot() -> int[]", &attnstash::stash_held_by_slot);
   // The id of the record held for (anchor, slot), 0 if none: what a forward's owner holds.
   m.def("stash_entry_id(Tensor anchor, int slot) -> int", &attnstash::stash_entry_id);

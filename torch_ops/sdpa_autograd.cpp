@@ -110,24 +110,30 @@ struct NonReentrantKeepFunction : public torch::autograd::Function<NonReentrantK
                             std::optional<double> scale, bool enable_gqa, bool recompute) {
     SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
     KeptAttention attention;
-    bool declined = false;
+    bool fresh = false;        // the attention was computed here, not taken from the stash
+    bool saves_output = false;
     if (recompute) {
       KeptPtr held = peek_for_recompute(call, anchor, slot);
       TORCH_CHECK(held, "attnstash::sdpa_fwd_keep: the output kept for this anchor and slot ", slot,
                   " disappeared during its recompute (was the stash cleared from another thread?).");
-      declined = held->declined;
-      attention = declined ? run_forward(*held->attention.backend, call) : held->attention;
+      saves_output = node_saves_output(*held);
+      fresh = held->declined;
+      attention = fresh ? run_forward(*held->attention.backend, call) : held->attention;
+      if (held->evicted) {  // for the first forward's node, whose backward comes next
+        std::lock_guard<std::mutex> lock(held->refill->mutex);
+        held->refill->attention = attention;
+      }
     } else {
       KeptForward kept = keep_forward(call, anchor, slot, /*non_reentrant=*/true);
       attention = kept.attention;
-      declined = kept.declined;
+      fresh = saves_output = kept.declined;
       // Only the first forward's node owns the record: the recompute's graph is discarded.
       ctx->saved_data["owner"] = c10::IValue::make_capsule(c10::make_intrusive<EntryOwner>(kept.key, kept.id));
     }
-    // A detached alias when kept: the node must not take over the stash's tensor.
-    at::Tensor output = declined ? attention.output : attention.output.detach();
+    // A detached alias of a kept output: the node must not take over the stash's tensor.
+    at::Tensor output = fresh ? attention.output : attention.output.detach();
     variable_list saved = {query, key, value, attn_mask.value_or(at::Tensor())};
-    if (declined) {
+    if (saves_output) {
       saved.push_back(output);
       saved.push_back(attention.logsumexp);
       saved.insert(saved.end(), attention.extra.begin(), attention.extra.end());
@@ -149,15 +155,21 @@ struct NonReentrantKeepFunction : public torch::autograd::Function<NonReentrantK
     auto owner = c10::static_intrusive_pointer_cast<EntryOwner>(ctx->saved_data["owner"].toCapsule());
     KeptPtr entry = take_owned(call, *owner);
     KeptAttention kept;
-    if (entry->declined) {  // what the recompute refilled
+    if (!entry->declined) {
+      kept = entry->attention;
+    } else if (!entry->evicted) {  // declined when kept: what the recompute refilled
       kept.backend = entry->attention.backend;
       kept.output = saved[4];
       kept.logsumexp = saved[5];
       kept.extra.assign(saved.begin() + 6, saved.end());
       kept.max_q = ctx->saved_data["max_q"].toInt();
       kept.max_k = ctx->saved_data["max_k"].toInt();
-    } else {
-      kept = entry->attention;
+    } else {  // evicted after it was kept: what the recompute left in the record
+      std::unique_lock<std::mutex> lock(entry->refill->mutex);
+      std::optional<KeptAttention> refilled = std::move(entry->refill->attention);
+      lock.unlock();
+      // (Evicted between the refill and now: the forward runs again, as the refill did.)
+      kept = refilled ? *refilled : run_forward(*entry->attention.backend, call);
     }
     // Checked against the caller's mask; the backend gets it as the fused op got it.
     std::optional<at::Tensor> fused = fused_attn_mask(call.attn_mask, call.query, *kept.backend);

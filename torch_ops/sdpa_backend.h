@@ -3,11 +3,11 @@
 // A backend is a forward that runs exactly the call F.scaled_dot_product_attention
 // makes for it (always computing the log-sum-exp), and a backward that is exactly
 // the call PyTorch's derivative for that forward makes (tools/autograd/derivatives.yaml).
-// Adding a backend: one file in backends/ defining an SdpaBackend, one line in the
-// table of backends/kept_backends.cpp, and its fake forward/backward in attnstash/ops.py.
+// Adding a backend: torch_ops/backends/README.md (one file here, one row in Python).
 #pragma once
 
 #include <ATen/ATen.h>
+#include "torch_compat.h"
 
 #include <optional>
 #include <tuple>
@@ -43,7 +43,7 @@ struct KeptAttention {
 
 struct SdpaBackend {
   c10::DeviceType device;
-  int64_t id;        // its torch.nn.attention.SDPBackend value, as at::_fused_sdp_choice returns it
+  at::SDPBackend id;  // torch.nn.attention.SDPBackend: what at::_fused_sdp_choice returns for it
   const char* name;  // as PyTorch names it
   // The additive value F.sdpa puts where a boolean mask is false before it calls this
   // backend (it puts 0 where the mask is true), in the query's dtype.
@@ -54,18 +54,22 @@ struct SdpaBackend {
                                                              const KeptAttention& kept);
 };
 
-// The name PyTorch gives an SDPBackend value (for error messages).
+// The name PyTorch gives an SDPBackend value, as at::_fused_sdp_choice returns it (for
+// error messages).
 const char* sdpa_backend_name(int64_t id);
 
-// Every backend attnstash can keep (backends/kept_backends.cpp).
-c10::ArrayRef<const SdpaBackend*> kept_backends();
+// Every backend attnstash can keep: those registered with ATTNSTASH_KEPT_BACKEND
+// (backends/kept_backends.cpp holds the table).
+const std::vector<const SdpaBackend*>& kept_backends();
 
-// The kept backend with this SDPBackend value on this device, or nullptr.
+// The kept backend with this SDPBackend value (as at::_fused_sdp_choice returns it) on
+// this device, or nullptr.
 const SdpaBackend* find_kept_backend(c10::DeviceType device, int64_t id);
 
-extern const SdpaBackend cpu_flash_backend;
-extern const SdpaBackend cudnn_backend;
-extern const SdpaBackend cuda_flash_backend;
-extern const SdpaBackend efficient_backend;
+// Adds a backend to the table at load time; ATTNSTASH_KEPT_BACKEND(name) in its file.
+struct KeptBackendRegistration {
+  explicit KeptBackendRegistration(const SdpaBackend& backend);
+};
+#define ATTNSTASH_KEPT_BACKEND(backend) static const KeptBackendRegistration backend##_registration(backend)
 
 }  // namespace attnstash

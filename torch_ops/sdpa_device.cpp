@@ -50,7 +50,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> replay_t
     if (kept.extra[i].defined()) defined |= int64_t{1} << i;
     else kept.extra[i] = at::empty({0}, query.options().dtype(at::kByte));
   }
-  at::Tensor info = at::tensor({kept.backend->id, kept.max_q, kept.max_k, defined}, at::kLong);
+  at::Tensor info =
+      at::tensor({static_cast<int64_t>(kept.backend->id), kept.max_q, kept.max_k, defined}, at::kLong);
   return {kept.output, kept.logsumexp, info, kept.extra};
 }
 

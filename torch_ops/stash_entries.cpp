@@ -22,9 +22,36 @@ stash_registry* registry() {
   return reg;
 }
 
-// The registry's payload callbacks: one reference of a KeptEntry.
+// The registry's payload callbacks: one reference of a KeptEntry ...
 void retain_entry(void* payload) { c10::raw::intrusive_ptr::incref(static_cast<KeptEntry*>(payload)); }
 void release_entry(void* payload) { c10::raw::intrusive_ptr::decref(static_cast<KeptEntry*>(payload)); }
+
+// ... and its declined stand-in, when the budget needs its room: the call's description
+// without the tensors (a new object: whoever holds the kept one keeps it whole).
+void* demote_entry(void* payload) noexcept {
+  try {
+    const auto& kept = *static_cast<const KeptEntry*>(payload);
+    auto stand_in = c10::make_intrusive<KeptEntry>();
+    stand_in->declined = stand_in->evicted = true;
+    stand_in->non_reentrant = kept.non_reentrant;
+    stand_in->attention.backend = kept.attention.backend;
+    stand_in->query = kept.query;
+    stand_in->key = kept.key;
+    stand_in->value = kept.value;
+    stand_in->mask = kept.mask;
+    stand_in->mask_impl = kept.mask_impl;
+    stand_in->mask_version = kept.mask_version;
+    stand_in->dropout_p = kept.dropout_p;
+    stand_in->is_causal = kept.is_causal;
+    stand_in->scale = kept.scale;
+    stand_in->enable_gqa = kept.enable_gqa;
+    stand_in->anchor_storage = kept.anchor_storage;
+    if (kept.non_reentrant) stand_in->refill = std::make_shared<KeptEntry::Refill>();
+    return stand_in.release();  // the registry's reference
+  } catch (...) {
+    return nullptr;  // out of memory: the record stays kept
+  }
+}
 
 // Typed trampolines: the registry's C callbacks take a function pointer and a context;
 // these let call sites pass ordinary lambdas.
@@ -51,7 +78,7 @@ void release_records_if(F f) {
 const KeptEntry& entry_of(const stash_record& r) { return *static_cast<const KeptEntry*>(r.entry->payload); }
 
 stash_entry entry_for(const KeptPtr& entry) {
-  return stash_entry{entry.get(), entry->bytes(), retain_entry, release_entry};
+  return stash_entry{entry.get(), entry->bytes(), retain_entry, release_entry, demote_entry};
 }
 
 std::string shape_str(const stash_key& k) {
@@ -190,14 +217,18 @@ void stash_set_max_bytes(int64_t max_bytes) {
 }
 
 std::vector<int64_t> stash_held_by_slot() {
-  std::map<int64_t, std::pair<int64_t, int64_t>> by_slot;
+  struct Held {
+    int64_t entries = 0, bytes = 0, declined = 0;
+  };
+  std::map<int64_t, Held> by_slot;
   visit_records([&](const stash_record& r) {
-    auto& held = by_slot[r.key->slot];
-    held.first += 1;
-    held.second += static_cast<int64_t>(r.entry->bytes);
+    Held& held = by_slot[r.key->slot];
+    held.entries += 1;
+    held.bytes += static_cast<int64_t>(r.entry->bytes);
+    held.declined += r.declined ? 1 : 0;
   });
   std::vector<int64_t> flat;
-  for (const auto& [slot, held] : by_slot) flat.insert(flat.end(), {slot, held.first, held.second});
+  for (const auto& [slot, held] : by_slot) flat.insert(flat.end(), {slot, held.entries, held.bytes, held.declined});
   return flat;
 }
 

@@ -11,6 +11,8 @@
 #include <c10/core/UndefinedTensorImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -33,6 +35,15 @@ struct KeptEntry : c10::intrusive_ptr_target {
   // Declined: the budget had no room. No tensors are held (attention.backend stays): the
   // recompute runs the backend's forward itself, as the normal recompute would.
   bool declined = false;
+  // Declined after it was kept: a later keep needed the room (the registry demotes the
+  // oldest records first). A non-reentrant node kept behind saved no output for it, so
+  // its recompute, which runs the forward, leaves the result here for that node's backward.
+  bool evicted = false;
+  struct Refill {
+    std::mutex mutex;
+    std::optional<KeptAttention> attention;
+  };
+  std::shared_ptr<Refill> refill;
   // Kept behind its first forward's own node (non-reentrant checkpointing): the recompute
   // only refills what that node saved, and the node's backward takes the entry.
   bool non_reentrant = false;
@@ -117,7 +128,7 @@ void stash_reset_peak();
 // Set the budget in bytes; a negative value removes it.
 void stash_set_max_bytes(int64_t max_bytes);
 
-// Flattened [slot, entries, bytes] triples, one per slot held.
+// Flattened [slot, entries, bytes, declined entries] quadruples, one per slot held.
 std::vector<int64_t> stash_held_by_slot();
 
 // The id of the record held for (anchor, slot), 0 if none.

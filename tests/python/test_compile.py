@@ -19,7 +19,7 @@ import torch._dynamo
 from torch.utils.checkpoint import checkpoint
 
 import attnstash
-from test_sdpa_ops import Block
+from attention_cases import Block
 
 
 def train(use_stash, backend, steps=3):

@@ -1,4 +1,5 @@
-"""The ops on CUDA with cuDNN attention, at a scaled-down Qwen3-30B-A3B attention
+"""The ops on CUDA with each backend attnstash keeps there (attnstash.backends.KEPT_BACKENDS:
+cuDNN, flash and memory-efficient attention), at a scaled-down Qwen3-30B-A3B attention
 shape. Skipped without a GPU; run on the GPU machine by tests/gpu/run.sh.
 
 cuDNN accumulates dQ non-deterministically (two autograd runs on the same inputs give
@@ -11,45 +12,35 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 import attnstash
+from attention_cases import Block, padding_mask, qkv
 from attnstash import ops
+from attnstash.backends import KEPT_BACKENDS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 CUDNN = SDPBackend.CUDNN_ATTENTION
 
 
-def hf_layout(batch, heads, seq, head_dim, dtype=torch.bfloat16):
-    t = torch.randn(batch, seq, heads * head_dim, device="cuda", dtype=dtype)
-    return t.view(batch, seq, heads, head_dim).transpose(1, 2)
-
-
-def qkv(d, batch=2, seq=256, hq=8, hkv=2):
+def cuda_qkv(d, batch=2, seq=256, hq=8, hkv=2):
+    """Seeded bf16 query, key and value on CUDA in Hugging Face's layout."""
     torch.manual_seed(0)
-    return hf_layout(batch, hq, seq, d), hf_layout(batch, hkv, seq, d), hf_layout(batch, hkv, seq, d)
+    return qkv(torch.bfloat16, hq, hkv, d, batch, seq, device="cuda")
 
 
-BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-MASKED_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]  # flash takes no mask
+def cuda_padding_mask(kind, key_room=0):
+    """The [2, 1, 256, 256] bf16 padding mask on CUDA, row b padded by 17 * b keys."""
+    return padding_mask(2, 256, kind, torch.bfloat16, device="cuda", key_room=key_room, pad_per_row=17)
+
+
+BACKENDS = [row.backend for row in KEPT_BACKENDS if row.device == "cuda"]
+# Flash attention on CUDA takes no attn_mask (F.sdpa never picks it for a masked call): the others do.
+MASKED_BACKENDS = [b for b in BACKENDS if b != SDPBackend.FLASH_ATTENTION]
 
 
 def test_cudnn_is_the_backend_under_test():
-    q, k, v = qkv(128)
+    q, k, v = cuda_qkv(128)
     with sdpa_kernel([CUDNN]):
         assert torch._fused_sdp_choice(q, k, v, is_causal=True, enable_gqa=True) == CUDNN.value
-
-
-def padding_mask(batch, seq, kind, dtype=torch.bfloat16, key_room=0):
-    """[batch, 1, seq, seq], causal, rows padded on the left by different amounts.
-    key_room > 0: a slice of a [batch, 1, seq, seq + key_room] mask, as Hugging Face slices
-    its mask to the key length, so its row stride is seq + key_room."""
-    keep = torch.ones(batch, 1, seq, seq + key_room, dtype=torch.bool, device="cuda").tril()[..., :seq]
-    for b in range(batch):
-        keep[b, :, :, : 17 * b] = False
-        keep[b, :, torch.arange(seq), torch.arange(seq)] = True
-    if kind == "bool":
-        return keep
-    room = torch.zeros(batch, 1, seq, seq + key_room, dtype=dtype, device="cuda")
-    return room[..., :seq].masked_fill_(~keep, torch.finfo(dtype).min)
 
 
 def keep_replay_and_autograd(backend, q, k, v, n_runs, causal=False, gqa=False, mask=None):
@@ -103,7 +94,7 @@ def check_against_autograd(backend, q, k, v, causal, gqa, mask=None):
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [True, False])
 def test_each_backend_keeps_and_replays_like_autograd(backend, d, causal):
-    q, k, v = qkv(d)
+    q, k, v = cuda_qkv(d)
     check_against_autograd(backend, q, k, v, causal, gqa=True)
 
 
@@ -112,16 +103,16 @@ def test_each_backend_keeps_and_replays_like_autograd(backend, d, causal):
 def test_each_masked_backend_keeps_and_replays_like_autograd(backend, kind):
     # With a mask Hugging Face repeats K/V instead of passing enable_gqa. seq 256: the
     # cuDNN NaN bug of torch 2.11 hits masked seq % 128 == 64.
-    q, k, v = qkv(128, hq=8, hkv=8)
-    check_against_autograd(backend, q, k, v, False, gqa=False, mask=padding_mask(2, 256, kind))
+    q, k, v = cuda_qkv(128, hq=8, hkv=8)
+    check_against_autograd(backend, q, k, v, False, gqa=False, mask=cuda_padding_mask(kind))
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_efficient_attention_with_a_mask_it_must_re_lay_out(kind):
     # Row stride 259, not a multiple of 8: F.sdpa pads and slices the mask before the
     # memory-efficient kernel, and so must the kept forward and the replay's backward.
-    q, k, v = qkv(128, hq=8, hkv=8)
-    mask = padding_mask(2, 256, kind, key_room=3)
+    q, k, v = cuda_qkv(128, hq=8, hkv=8)
+    mask = cuda_padding_mask(kind, key_room=3)
     assert mask.stride(2) == 259
     check_against_autograd(SDPBackend.EFFICIENT_ATTENTION, q, k, v, False, gqa=False, mask=mask)
 
@@ -140,7 +131,7 @@ def test_fully_masked_rows_are_what_f_sdpa_gives(backend):
     value F.sdpa gives a boolean mask's false places, which differs by backend and torch
     (cuDNN: -65504 on torch 2.6 to 2.11, -inf later; efficient: -inf): the kept output and
     the replay's gradients must be F.sdpa's and autograd's bit for bit, NaN and all."""
-    q, k, v = qkv(128, hq=8, hkv=8)
+    q, k, v = cuda_qkv(128, hq=8, hkv=8)
     seq = q.shape[2]
     keep = torch.ones(2, 1, seq, seq, dtype=torch.bool, device="cuda").tril()
     for b, pad in enumerate((40, 150)):
@@ -159,29 +150,9 @@ def test_fully_masked_rows_are_what_f_sdpa_gives(backend):
             assert (got[i][fin].float() - ref[fin].float()).abs().max().item() <= spread, f"d{name}"
 
 
-class Block(torch.nn.Module):
-    def __init__(self, hidden=1024, hq=8, hkv=2, d=128, use_stash=True):
-        super().__init__()
-        self.hq, self.hkv, self.d, self.use_stash = hq, hkv, d, use_stash
-        self.q = torch.nn.Linear(hidden, hq * d, bias=False)
-        self.kv = torch.nn.Linear(hidden, 2 * hkv * d, bias=False)
-        self.o = torch.nn.Linear(hq * d, hidden, bias=False)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.hq, self.d).transpose(1, 2)
-        k, v = self.kv(x).view(b, s, 2, self.hkv, self.d).unbind(2)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if self.use_stash:
-            a = ops.sdpa_fwd_keep(q, k, v, x, 0, is_causal=True, enable_gqa=True)
-        else:
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return x + self.o(a.transpose(1, 2).reshape(b, s, -1))
-
-
 def test_reentrant_checkpoint_on_cuda_keeps_once_and_replays_once():
     torch.manual_seed(0)
-    block = Block().cuda().to(torch.bfloat16)
+    block = Block(1024, 8, 2, 128, fused_kv=True).cuda().to(torch.bfloat16)
     x = torch.randn(2, 256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     before = attnstash.stash_stats()
     with sdpa_kernel([CUDNN]):
@@ -202,7 +173,7 @@ def test_reentrant_checkpoint_on_cuda_keeps_once_and_replays_once():
 
 
 def test_replay_rejects_a_query_on_another_device():
-    q, k, v = qkv(64)
+    q, k, v = cuda_qkv(64)
     anchor = torch.randn(4, device="cuda", requires_grad=True)
     with sdpa_kernel([CUDNN]), torch.no_grad():
         ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True, enable_gqa=True)
@@ -212,7 +183,7 @@ def test_replay_rejects_a_query_on_another_device():
 
 
 def test_opcheck_on_cuda():
-    q, k, v = (t.detach().requires_grad_() for t in qkv(64, seq=128))
+    q, k, v = (t.detach().requires_grad_() for t in cuda_qkv(64, seq=128))
     with sdpa_kernel([CUDNN]):
         torch.library.opcheck(torch.ops.attnstash.sdpa_fwd_keep.default,
                               (q, k, v, torch.randn(3, device="cuda"), 0, None, 0.0, True, None, True))
@@ -225,7 +196,7 @@ def test_hugging_face_training_step_on_cuda(backend, padded):
     recompute's; each gradient bitwise where the normal runs are bitwise equal, else no
     further from its nearest normal run than the normal runs are from each other."""
     from tiny_models import batch, clone, tiny_model
-    if padded and backend == SDPBackend.FLASH_ATTENTION:
+    if padded and backend not in MASKED_BACKENDS:
         pytest.skip("flash attention takes no mask: PyTorch never picks it for padded batches")
     base = tiny_model("llama", layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
     base = base.to("cuda", torch.bfloat16)

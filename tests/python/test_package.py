@@ -1,4 +1,5 @@
-"""The package loads its compiled ops and reports its build."""
+"""The package loads its compiled ops (lazily: at the first use of an op's name) and
+reports its build."""
 import subprocess
 import sys
 
@@ -8,7 +9,21 @@ import attnstash
 from attnstash import _library
 
 
-def test_import_registers_both_ops():
+def test_importing_attnstash_loads_nothing_compiled_until_an_op_is_used():
+    code = ("import sys, attnstash, torch; "
+            "assert 'attnstash._C' not in sys.modules and 'attnstash.ops' not in sys.modules; "
+            "attnstash.stash_stats(); assert 'attnstash._C' in sys.modules; "
+            "print(attnstash.__version__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    import tomllib
+    from pathlib import Path
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert out.stdout.strip() == pyproject["project"]["version"]  # the version is written once
+
+
+def test_using_an_op_registers_both_ops():
+    attnstash.sdpa_fwd_keep  # the first use loads them
     assert hasattr(torch.ops.attnstash, "sdpa_fwd_keep")
     assert hasattr(torch.ops.attnstash, "sdpa_replay")
     names = {str(n) for n in torch._C._dispatch_get_all_op_names() if str(n).startswith("attnstash::")}

@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import attnstash
+from attention_cases import Block, checkpointed_step, error_of, padding_mask, qkv
 from attnstash import ops
 
 CASES = [  # dtype, query heads, kv heads, head_dim, causal
@@ -20,19 +21,6 @@ CASES = [  # dtype, query heads, kv heads, head_dim, causal
     for causal in (True, False)
 ]
 CASE_IDS = [f"{str(c[0])[6:]}-{c[1]}q{c[2]}kv-d{c[3]}-{'causal' if c[4] else 'full'}" for c in CASES]
-
-
-def hf_layout(batch, heads, seq, head_dim, dtype, requires_grad=False):
-    """A [batch, heads, seq, head_dim] transposed view of a [batch, seq, heads*head_dim]
-    projection, as Hugging Face passes query, key and value."""
-    t = torch.randn(batch, seq, heads * head_dim, dtype=dtype)
-    t = t.view(batch, seq, heads, head_dim).transpose(1, 2)
-    return t.requires_grad_(requires_grad) if requires_grad else t
-
-
-def qkv(dtype, hq, hkv, d, batch=2, seq=48):
-    return (hf_layout(batch, hq, seq, d, dtype), hf_layout(batch, hkv, seq, d, dtype),
-            hf_layout(batch, hkv, seq, d, dtype))
 
 
 def anchor_for(q):
@@ -82,43 +70,6 @@ def test_inference_mode_keeps_nothing():
         out = ops.sdpa_fwd_keep(q, k, v, anchor, 0)
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
     assert attnstash.stash_stats()["entries"] == 0
-
-
-class Block(torch.nn.Module):
-    """x -> q/k/v projections -> attention -> output projection, attention either F.sdpa
-    or attnstash's sdpa_fwd_keep anchored on x."""
-
-    def __init__(self, hidden, hq, hkv, d, dtype, causal, use_stash, slot=0):
-        super().__init__()
-        self.hq, self.hkv, self.d, self.causal, self.use_stash, self.slot = hq, hkv, d, causal, use_stash, slot
-        self.q = torch.nn.Linear(hidden, hq * d, bias=False, dtype=dtype)
-        self.k = torch.nn.Linear(hidden, hkv * d, bias=False, dtype=dtype)
-        self.v = torch.nn.Linear(hidden, hkv * d, bias=False, dtype=dtype)
-        self.o = torch.nn.Linear(hq * d, hidden, bias=False, dtype=dtype)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.hq, self.d).transpose(1, 2)
-        k = self.k(x).view(b, s, self.hkv, self.d).transpose(1, 2)
-        v = self.v(x).view(b, s, self.hkv, self.d).transpose(1, 2)
-        gqa = self.hq != self.hkv
-        if self.use_stash:
-            a = ops.sdpa_fwd_keep(q, k, v, x, self.slot, is_causal=self.causal, enable_gqa=gqa)
-        else:
-            a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=gqa)
-        return x + self.o(a.transpose(1, 2).reshape(b, s, -1))
-
-
-def checkpointed_step(dtype, hq, hkv, d, causal, use_stash, seed=0):
-    torch.manual_seed(seed)
-    block = Block(64, hq, hkv, d, dtype, causal, use_stash)
-    x = torch.randn(2, 40, 64, dtype=dtype, requires_grad=True)
-    y = checkpoint(block, x, use_reentrant=True)
-    stats_after_forward = attnstash.stash_stats()
-    loss = y.float().square().mean()
-    loss.backward()
-    grads = [x.grad] + [p.grad for p in block.parameters()]
-    return loss.detach(), grads, stats_after_forward
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,d,causal", CASES, ids=CASE_IDS)
@@ -171,7 +122,7 @@ def test_kept_bytes_are_output_plus_logsumexp():
     assert held == output + lse
 
 
-@pytest.mark.parametrize("order", ["reverse", "forward"])
+@pytest.mark.parametrize("order", [pytest.param(reversed, id="reverse"), pytest.param(list, id="forward")])
 def test_the_recompute_takes_its_own_forward(order):
     # Two forwards through the same slot on different anchors, recomputed in either
     # order: each backward must get its own forward's attention.
@@ -182,19 +133,12 @@ def test_the_recompute_takes_its_own_forward(order):
     xs = [torch.randn(2, 24, 64, requires_grad=True) for _ in range(2)]
     ys = [checkpoint(block, x, use_reentrant=True) for x in xs]
     assert attnstash.stash_stats()["entries"] == 2
-    pairs = list(zip(xs, ys))
-    for x, y in (reversed(pairs) if order == "reverse" else pairs):
+    for x, y in order(list(zip(xs, ys))):
         y.square().sum().backward()
     for x in xs:
         x_ref = x.detach().clone().requires_grad_()
         checkpoint(ref, x_ref, use_reentrant=True).square().sum().backward()
         assert torch.equal(x.grad, x_ref.grad)
-
-
-def error_of(fn):
-    with pytest.raises(RuntimeError) as info:
-        fn()
-    return str(info.value)
 
 
 def test_replay_with_nothing_kept_fails_clearly():
@@ -243,24 +187,13 @@ def test_the_backward_never_runs_the_attention_forward_again(reentrant):
     assert counts == {False: 1, True: 0}
 
 
-def checkpointed_step_non_reentrant(dtype, hq, hkv, d, causal, use_stash):
-    torch.manual_seed(0)
-    block = Block(64, hq, hkv, d, dtype, causal, use_stash)
-    x = torch.randn(2, 40, 64, dtype=dtype, requires_grad=True)
-    y = checkpoint(block, x, use_reentrant=False)
-    held = attnstash.stash_stats()["entries"]
-    loss = y.float().square().mean()
-    loss.backward()
-    return loss.detach(), [x.grad] + [p.grad for p in block.parameters()], held
-
-
 @pytest.mark.parametrize("dtype,hq,hkv,d,causal", CASES[::3], ids=CASE_IDS[::3])
 def test_non_reentrant_checkpoint_gradients_are_bitwise_the_normal_recompute(dtype, hq, hkv, d, causal):
-    base_loss, base_grads, _ = checkpointed_step_non_reentrant(dtype, hq, hkv, d, causal, False)
+    base_loss, base_grads, _ = checkpointed_step(dtype, hq, hkv, d, causal, False, reentrant=False)
     before = attnstash.stash_stats()
-    loss, grads, held = checkpointed_step_non_reentrant(dtype, hq, hkv, d, causal, True)
+    loss, grads, mid = checkpointed_step(dtype, hq, hkv, d, causal, True, reentrant=False)
     after = attnstash.stash_stats()
-    assert held == 1
+    assert mid["entries"] == 1
     assert torch.equal(loss, base_loss) and all(torch.equal(a, b) for a, b in zip(grads, base_grads))
     assert after["keeps"] - before["keeps"] == 1 and after["replays"] - before["replays"] == 1
     assert after["entries"] == 0
@@ -269,28 +202,11 @@ def test_non_reentrant_checkpoint_gradients_are_bitwise_the_normal_recompute(dty
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_non_reentrant_checkpoint_with_a_padding_mask_is_bitwise_the_normal_recompute(kind):
     def step(use_stash):
-        torch.manual_seed(0)
-        block = Block(64, 4, 4, 64, torch.float32, False, use_stash)
-        mask = padding_mask(2, 40, kind, torch.float32)
-        forward = block.forward
+        return checkpointed_step(torch.float32, 4, 4, 64, False, use_stash, reentrant=False,
+                                 mask=padding_mask(2, 40, kind, torch.float32))
 
-        def masked(x):  # the block's attention with the mask
-            b, s, _ = x.shape
-            q = block.q(x).view(b, s, 4, 64).transpose(1, 2)
-            k = block.k(x).view(b, s, 4, 64).transpose(1, 2)
-            v = block.v(x).view(b, s, 4, 64).transpose(1, 2)
-            if use_stash:
-                a = ops.sdpa_fwd_keep(q, k, v, x, 0, mask)
-            else:
-                a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            return x + block.o(a.transpose(1, 2).reshape(b, s, -1))
-
-        assert forward  # the plain block's weights, with masked attention
-        x = torch.randn(2, 40, 64, requires_grad=True)
-        checkpoint(masked, x, use_reentrant=False).square().mean().backward()
-        return [x.grad] + [p.grad for p in block.parameters()]
-
-    assert all(torch.equal(a, b) for a, b in zip(step(True), step(False)))
+    (loss, grads, _), (base_loss, base_grads, _) = step(True), step(False)
+    assert torch.equal(loss, base_loss) and all(torch.equal(a, b) for a, b in zip(grads, base_grads))
 
 
 def test_saved_tensor_hooks_without_a_checkpoint_keep_behind_the_node_and_match_autograd():
@@ -323,28 +239,42 @@ def test_anchor_modified_in_place_is_reported_as_a_version_change():
     assert attnstash.stash_stats()["entries"] == 0  # the stale entry was released with the error
 
 
-@pytest.mark.parametrize("what", ["shape", "dtype", "flags", "backend"])
-def test_replay_rejects_a_call_that_differs_from_its_forward(what):
+def refused_and_nothing_kept(call, words):
+    """call() (grad off) raises a RuntimeError that says every one of words; nothing stays kept."""
+    with torch.no_grad():
+        msg = error_of(call)
+    assert all(w in msg for w in words), msg
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def under_math(call):
+    """call, made under sdpa_kernel([SDPBackend.MATH])."""
+    def under(*args):
+        with sdpa_kernel([SDPBackend.MATH]):
+            return call(*args)
+    return under
+
+
+def replay(q, k, v, anchor, is_causal=True):
+    return ops.sdpa_replay(q, k, v, anchor, 0, is_causal=is_causal)
+
+
+DIFFERING_REPLAYS = [  # a replay unlike its forward (q, k, v, anchor, causal), and what its error says
+    pytest.param(lambda q, k, v, a: replay(q[:, :, :-1], k, v, a), ["query", "differs"], id="shape"),
+    pytest.param(lambda q, k, v, a: replay(q, k.double(), v, a), ["key", "Double"], id="dtype"),
+    pytest.param(lambda q, k, v, a: replay(q, k, v, a, is_causal=False), ["is_causal=1", "is_causal=0"], id="flags"),
+    pytest.param(under_math(replay), ["SDPA backend", "math"], id="backend"),
+]
+
+
+@pytest.mark.parametrize("differing_replay,words", DIFFERING_REPLAYS)
+def test_replay_rejects_a_call_that_differs_from_its_forward(differing_replay, words):
     torch.manual_seed(0)
     q, k, v = qkv(torch.float32, 4, 4, 64)
     anchor = anchor_for(q)
     with torch.no_grad():
         ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True)
-        if what == "shape":
-            msg = error_of(lambda: ops.sdpa_replay(q[:, :, :-1], k, v, anchor, 0, is_causal=True))
-            assert "query" in msg and "differs" in msg
-        elif what == "dtype":
-            msg = error_of(lambda: ops.sdpa_replay(q, k.double(), v, anchor, 0, is_causal=True))
-            assert "key" in msg and "Double" in msg
-        elif what == "flags":
-            msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, is_causal=False))
-            assert "is_causal=1" in msg and "is_causal=0" in msg
-        else:
-            with sdpa_kernel([SDPBackend.MATH]):
-                msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, is_causal=True))
-            assert "SDPA backend" in msg and "math" in msg
-    assert "released" in msg
-    assert attnstash.stash_stats()["entries"] == 0
+    refused_and_nothing_kept(lambda: differing_replay(q, k, v, anchor), words + ["released"])
 
 
 def test_an_output_modified_in_place_before_its_recompute_is_rejected():
@@ -357,46 +287,39 @@ def test_an_output_modified_in_place_before_its_recompute_is_rejected():
     assert "modified in place" in msg and "output" in msg
 
 
-@pytest.mark.parametrize("what", ["3-D", "dropout", "math backend", "second keep", "rank 9 anchor"])
-def test_what_cannot_be_kept_fails_clearly_and_keeps_nothing(what):
+def keep(q, k, v, anchor, **kwargs):
+    return ops.sdpa_fwd_keep(q, k, v, anchor, 0, **kwargs)
+
+
+def keep_again_with_another_query(q, k, v, anchor):
+    """The same anchor and slot again, with another query: refused, and the first keep stays
+    (its replay takes it)."""
+    keep(q, k, v, anchor)
+    try:
+        keep(q + 1, k, v, anchor)
+    finally:
+        ops.sdpa_replay(q, k, v, anchor, 0)
+
+
+UNKEEPABLE = [  # a call that cannot be kept (q, k, v, anchor), and what its error says
+    pytest.param(lambda q, k, v, a: keep(q[0], k, v, a), ["query must be 4-D", "3-D"], id="3-D"),
+    pytest.param(lambda q, k, v, a: keep(q, k, v, a, dropout_p=0.1), ["dropout_p=0.1", "attention dropout"],
+                 id="dropout"),
+    pytest.param(under_math(keep), ["math backend", "sdpa_kernel", "flash_attention (CPU)"], id="math backend"),
+    pytest.param(keep_again_with_another_query,
+                 ["already went through this attention (slot 0)", "different result", "inputs_embeds.clone()"],
+                 id="second keep"),
+    pytest.param(lambda q, k, v, a: keep(q, k, v, torch.zeros([1] * 9, requires_grad=True)),
+                 ["at most 8 dimensions"], id="rank 9 anchor"),
+]
+
+
+@pytest.mark.parametrize("unkeepable,words", UNKEEPABLE)
+def test_what_cannot_be_kept_fails_clearly_and_keeps_nothing(unkeepable, words):
     torch.manual_seed(0)
     q, k, v = qkv(torch.float32, 4, 4, 64)
     anchor = anchor_for(q)
-    keep = lambda **kw: ops.sdpa_fwd_keep(kw.pop("q", q), k, v, kw.pop("anchor", anchor), 0, **kw)  # noqa: E731
-    with torch.no_grad():
-        if what == "3-D":
-            msg = error_of(lambda: keep(q=q[0]))
-            assert "query must be 4-D" in msg and "3-D" in msg
-        elif what == "dropout":
-            msg = error_of(lambda: keep(dropout_p=0.1))
-            assert "dropout_p=0.1" in msg and "attention dropout" in msg
-        elif what == "math backend":
-            with sdpa_kernel([SDPBackend.MATH]):
-                msg = error_of(lambda: keep())
-            assert "math backend" in msg and "sdpa_kernel" in msg and "flash_attention (CPU)" in msg
-        elif what == "second keep":  # the same anchor and slot again, with another query
-            keep()
-            msg = error_of(lambda: keep(q=q + 1))
-            assert "already went through this attention (slot 0)" in msg and "different result" in msg
-            assert "inputs_embeds.clone()" in msg
-            ops.sdpa_replay(q, k, v, anchor, 0)
-        else:
-            big = torch.zeros([1] * 9, requires_grad=True)
-            msg = error_of(lambda: keep(anchor=big))
-            assert "at most 8 dimensions" in msg
-    assert attnstash.stash_stats()["entries"] == 0
-
-
-def padding_mask(batch, seq, kind, dtype):
-    """A Hugging Face style 4-D mask [batch, 1, seq, seq]: causal, rows padded on the left
-    by different amounts (each row still attends to itself)."""
-    keep = torch.ones(batch, 1, seq, seq, dtype=torch.bool).tril()
-    for b in range(batch):
-        keep[b, :, :, : 3 * b] = False
-        keep[b, :, torch.arange(seq), torch.arange(seq)] = True
-    if kind == "bool":
-        return keep
-    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, torch.finfo(dtype).min)
+    refused_and_nothing_kept(lambda: unkeepable(q, k, v, anchor), words)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -433,31 +356,34 @@ def test_a_mask_that_requires_grad_is_refused_rather_than_given_no_gradient():
     assert "requires grad" in msg and "no gradient" in msg and "detach" in msg
 
 
-@pytest.mark.parametrize("change", ["values", "dtype", "in place"])
-def test_a_recompute_with_another_mask_is_refused(change):
+def flip_key_0(mask, b, rows):
+    """mask, with key 0 of batch b's query rows `rows` flipped in place."""
+    mask[b, :, rows, 0] = ~mask[b, :, rows, 0]
+    return mask
+
+
+ANOTHER_MASK = [  # the recompute's mask, from the first forward's bool padding mask, and what its error says
+    pytest.param(lambda m: flip_key_0(m.clone(), 1, slice(None)), ["attn_mask", "different values"], id="values"),
+    pytest.param(lambda m: padding_mask(2, 48, "additive", torch.float32), ["attn_mask", "Bool", "Float"],
+                 id="dtype"),
+    pytest.param(lambda m: flip_key_0(m, 0, 5), ["attn_mask was modified in place"], id="in place"),
+]
+
+
+@pytest.mark.parametrize("another_mask,words", ANOTHER_MASK)
+def test_a_recompute_with_another_mask_is_refused(another_mask, words):
     torch.manual_seed(0)
     q, k, v = qkv(torch.float32, 4, 4, 64)
     mask = padding_mask(2, 48, "bool", torch.float32)
     anchor = anchor_for(q)
     with torch.no_grad():
         ops.sdpa_fwd_keep(q, k, v, anchor, 0, mask)
-        if change == "values":
-            other = mask.clone()
-            other[1, :, :, 0] = ~other[1, :, :, 0]
-            msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, other))
-            assert "attn_mask" in msg and "different values" in msg
-        elif change == "dtype":
-            msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, padding_mask(2, 48, "additive", torch.float32)))
-            assert "attn_mask" in msg and "Bool" in msg and "Float" in msg
-        else:
-            mask[0, :, 5, 0] = ~mask[0, :, 5, 0]
-            msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, mask))
-            assert "attn_mask was modified in place" in msg
-    assert attnstash.stash_stats()["entries"] == 0
+    refused_and_nothing_kept(lambda: ops.sdpa_replay(q, k, v, anchor, 0, another_mask(mask)), words)
 
 
-@pytest.mark.parametrize("alias", ["detached", "view"])
-def test_a_recompute_given_an_alias_of_the_mask_checks_its_version_not_its_values(alias):
+@pytest.mark.parametrize("make_alias", [pytest.param(lambda m: m.detach(), id="detached"),
+                                        pytest.param(lambda m: m[:], id="view")])
+def test_a_recompute_given_an_alias_of_the_mask_checks_its_version_not_its_values(make_alias):
     # A reentrant checkpoint hands its recompute a detached alias of a positional mask.
     # Its values are the first forward's memory, so comparing them cannot show a change;
     # the shared version counter does, and nothing is read (on a GPU that read would
@@ -466,7 +392,6 @@ def test_a_recompute_given_an_alias_of_the_mask_checks_its_version_not_its_value
     q, k, v = qkv(torch.float32, 4, 4, 64)
     mask = padding_mask(2, 48, "bool", torch.float32)
     anchor = anchor_for(q)
-    make_alias = (lambda m: m.detach()) if alias == "detached" else (lambda m: m[:])
 
     def replay_reads_values(m):
         with torch.profiler.profile() as prof:
@@ -482,7 +407,7 @@ def test_a_recompute_given_an_alias_of_the_mask_checks_its_version_not_its_value
             ops.sdpa_fwd_keep(q, k, v, anchor, 0, mask)
             view = make_alias(mask)
             target = mask if through == "first forward's handle" else view
-            target[0, :, 5, 0] = ~target[0, :, 5, 0]
+            flip_key_0(target, 0, 5)
             msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, view))
             assert "attn_mask was modified in place" in msg, through
     assert attnstash.stash_stats()["entries"] == 0
@@ -597,27 +522,23 @@ def test_compiled_fullgraph_call_matches_eager():
 
 # ---- inputs F.sdpa refuses get PyTorch's own words --------------------------------------------
 
-def invalid_inputs(case):
-    """(q, k, v, mask, kwargs) that F.sdpa refuses, and a piece of the error it gives."""
+REFUSED_BY_FSDPA = [  # from q, k, v [2, 4, 8, 16]: (q, k, v, mask, kwargs) F.sdpa refuses, and a piece of its error
+    pytest.param(lambda q, k, v: (q, k.bfloat16(), v, None, {}),
+                 "Expected query, key, and value to have the same dtype", id="dtypes differ"),
+    pytest.param(lambda q, k, v: (torch.randn(2, 6, 8, 16), k, v, None, {"enable_gqa": True}),
+                 "must divide the number of heads", id="heads do not divide"),
+    pytest.param(lambda q, k, v: (q, torch.randn(2, 4, 8, 32), v, None, {}),
+                 "Expected size for first two dimensions of batch2", id="head_dim differs"),
+    pytest.param(lambda q, k, v: (q, k, v, torch.zeros(2, 1, 9, 8), {}), "9", id="mask shape"),
+    pytest.param(lambda q, k, v: (q, k, v, torch.zeros(2, 1, 8, 8, dtype=torch.int32), {}),
+                 "Expected attn_mask dtype to be bool or float", id="mask dtype"),
+]
+
+
+@pytest.mark.parametrize("refused,words", REFUSED_BY_FSDPA)
+def test_inputs_fsdpa_refuses_get_its_own_error_when_kept(refused, words):
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
-    if case == "dtypes differ":
-        return q, k.bfloat16(), v, None, {}, "Expected query, key, and value to have the same dtype"
-    if case == "heads do not divide":
-        return torch.randn(2, 6, 8, 16), k, v, None, {"enable_gqa": True}, "must divide the number of heads"
-    if case == "head_dim differs":
-        return q, torch.randn(2, 4, 8, 32), v, None, {}, "Expected size for first two dimensions of batch2"
-    if case == "mask shape":
-        return q, k, v, torch.zeros(2, 1, 9, 8), {}, "9"
-    if case == "mask dtype":
-        return q, k, v, torch.zeros(2, 1, 8, 8, dtype=torch.int32), {}, "Expected attn_mask dtype to be bool or float"
-    raise ValueError(case)
-
-
-@pytest.mark.parametrize("case", ["dtypes differ", "heads do not divide", "head_dim differs", "mask shape",
-                                  "mask dtype"])
-def test_inputs_fsdpa_refuses_get_its_own_error_when_kept(case):
-    q, k, v, mask, kwargs, words = invalid_inputs(case)
+    q, k, v, mask, kwargs = refused(*(torch.randn(2, 4, 8, 16) for _ in range(3)))
     with pytest.raises(RuntimeError) as plain:
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
     assert words in str(plain.value)
@@ -640,13 +561,7 @@ def test_a_mask_that_requires_grad_in_a_reentrant_checkpoint_gets_the_mask_error
     block = Block(64, 4, 4, 16, torch.float32, False, use_stash=True)
     x = torch.randn(2, 8, 64, requires_grad=True)
     mask = torch.zeros(2, 1, 8, 8, requires_grad=True)
-
-    def masked(x, mask):
-        b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, 4, 16).transpose(1, 2) for p in (block.q, block.k, block.v))
-        return ops.sdpa_fwd_keep(q, k, v, x, 0, mask)
-
-    msg = error_of(lambda: checkpoint(masked, x, mask, use_reentrant=True))
+    msg = error_of(lambda: checkpoint(block, x, mask, use_reentrant=True))
     assert "attn_mask requires grad" in msg and "detach" in msg
 
 
@@ -657,3 +572,23 @@ def test_a_nested_query_gets_a_clear_error_when_kept(layout):
     with torch.no_grad():
         msg = error_of(lambda: ops.sdpa_fwd_keep(nt, nt, nt, torch.randn(3, requires_grad=True), 0))
     assert "nested" in msg and "dense" in msg
+
+
+def test_a_mask_that_requires_grad_only_in_the_recompute_is_refused_there():
+    # A learned bias folded into the mask: under a reentrant checkpoint's first forward (no
+    # grad) it looks like any mask; in the recompute it requires grad, and the kept path
+    # would give it none.
+    torch.manual_seed(0)
+    block = Block(64, 4, 4, 16, torch.float32, False, use_stash=True)
+    bias = torch.nn.Parameter(torch.zeros(1, 1, 8, 8))
+    x = torch.randn(2, 8, 64, requires_grad=True)
+
+    def biased(x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, 16).transpose(1, 2) for p in (block.q, block.k, block.v))
+        return ops.sdpa_fwd_keep(q, k, v, x, 0, bias * 1.0).sum()
+
+    y = checkpoint(biased, x, use_reentrant=True)
+    msg = error_of(lambda: y.backward())
+    assert "attn_mask requires grad" in msg and "no gradient" in msg and "kept output has been released" in msg
+    assert attnstash.stash_stats()["entries"] == 0

@@ -49,8 +49,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_flash_backward(const at::Ten
 }  // namespace
 
 // (Flash takes no mask: masked_out is never used.)
-const SdpaBackend cuda_flash_backend = {c10::DeviceType::CUDA, 1, "flash_attention",
+const SdpaBackend cuda_flash_backend = {c10::DeviceType::CUDA, at::SDPBackend::flash_attention, "flash_attention",
                                         -std::numeric_limits<double>::infinity(), cuda_flash_forward,
                                         cuda_flash_backward};
+ATTNSTASH_KEPT_BACKEND(cuda_flash_backend);
 
 }  // namespace attnstash

@@ -49,17 +49,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cudnn_backward(const at::Tensor& 
 
 }  // namespace
 
-// Read off the torch binaries (libtorch_cpu.so, at::native::scaled_dot_product_attention):
-// torch 2.6 to 2.11 turn a boolean mask into an additive one for cuDNN with -65504 where
-// it is false (their convert_boolean_attn_mask_cudnn; -inf for every other backend);
-// torch 2.12 and later use -inf for cuDNN too. The library is built for one torch.
+// Read off the torch binaries (libtorch_cpu.so, at::native::scaled_dot_product_attention),
+// every release from 2.5 to 2.15: torch 2.6 to 2.11 turn a boolean mask into an additive
+// one for cuDNN with -65504 where it is false (their convert_boolean_attn_mask_cudnn; -inf
+// for every other backend); torch 2.5, and 2.12 to 2.15, have no such converter and use
+// -inf for cuDNN too. The library is built for one torch.
 #if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 6 && TORCH_VERSION_MINOR <= 11
 constexpr double cudnn_masked_out = -65504.0;
 #else
 constexpr double cudnn_masked_out = -std::numeric_limits<double>::infinity();
 #endif
 
-const SdpaBackend cudnn_backend = {c10::DeviceType::CUDA, 3, "cudnn_attention", cudnn_masked_out, cudnn_forward,
+const SdpaBackend cudnn_backend = {c10::DeviceType::CUDA, at::SDPBackend::cudnn_attention, "cudnn_attention",
+                                   cudnn_masked_out, cudnn_forward,
                                    cudnn_backward};
+ATTNSTASH_KEPT_BACKEND(cudnn_backend);
 
 }  // namespace attnstash

@@ -49,8 +49,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> efficient_backward(const at::Tens
 
 }  // namespace
 
-const SdpaBackend efficient_backend = {c10::DeviceType::CUDA, 2, "efficient_attention",
+const SdpaBackend efficient_backend = {c10::DeviceType::CUDA, at::SDPBackend::efficient_attention, "efficient_attention",
                                        -std::numeric_limits<double>::infinity(), efficient_forward,
                                        efficient_backward};
+ATTNSTASH_KEPT_BACKEND(efficient_backend);
 
 }  // namespace attnstash

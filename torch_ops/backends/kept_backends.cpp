@@ -1,35 +1,37 @@
-// The table of backends attnstash can keep. One line per backend.
+// The table of backends attnstash can keep: each backend's file adds itself with
+// ATTNSTASH_KEPT_BACKEND (see README.md here).
 #include "sdpa_backend.h"
 
 namespace attnstash {
-
 namespace {
-const SdpaBackend* const table[] = {
-    &cpu_flash_backend,   // CPU: _scaled_dot_product_flash_attention_for_cpu
-    &cudnn_backend,       // CUDA: _scaled_dot_product_cudnn_attention
-    &cuda_flash_backend,  // CUDA: _scaled_dot_product_flash_attention
-    &efficient_backend,   // CUDA: _scaled_dot_product_efficient_attention
-};
+
+std::vector<const SdpaBackend*>& table() {
+  static std::vector<const SdpaBackend*> backends;  // filled while the library loads
+  return backends;
+}
+
 }  // namespace
 
-c10::ArrayRef<const SdpaBackend*> kept_backends() { return table; }
+KeptBackendRegistration::KeptBackendRegistration(const SdpaBackend& backend) { table().push_back(&backend); }
+
+const std::vector<const SdpaBackend*>& kept_backends() { return table(); }
 
 const SdpaBackend* find_kept_backend(c10::DeviceType device, int64_t id) {
-  for (const SdpaBackend* b : table)
-    if (b->device == device && b->id == id) return b;
+  for (const SdpaBackend* b : table())
+    if (b->device == device && static_cast<int64_t>(b->id) == id) return b;
   return nullptr;
 }
 
 const char* sdpa_backend_name(int64_t id) {
-  switch (id) {
-    case -1: return "none (no backend accepts these inputs)";
-    case 0: return "math";
-    case 1: return "flash_attention";
-    case 2: return "efficient_attention";
-    case 3: return "cudnn_attention";
-    case 4: return "overrideable";
-    default: return "unknown";
+  switch (static_cast<at::SDPBackend>(id)) {
+    case at::SDPBackend::error: return "none (no backend accepts these inputs)";
+    case at::SDPBackend::math: return "math";
+    case at::SDPBackend::flash_attention: return "flash_attention";
+    case at::SDPBackend::efficient_attention: return "efficient_attention";
+    case at::SDPBackend::cudnn_attention: return "cudnn_attention";
+    case at::SDPBackend::overrideable: return "overrideable";
   }
+  return "unknown";
 }
 
 }  // namespace attnstash

@@ -1,0 +1,271 @@
+"""AttentionStashCallback: the attention stash for transformers.Trainer and TRL's trainers.
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[attnstash.AttentionStashCallback()])
+    trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(...), train_dataset=data, peft_config=lora,
+                             callbacks=[attnstash.AttentionStashCallback()])
+
+The callback installs the stash (attnstash.install_attention_stash) on the model the
+trainer trains when training begins, reports the stash's figures in the trainer's logs, and
+uninstalls it when training ends. See AttentionStashCallback for the details.
+"""
+import logging
+import operator
+import sys
+import weakref
+
+from transformers import TrainerCallback
+
+from . import huggingface, ops
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "attnstash/"
+"""The prefix of the keys the callback adds to the trainer's logs."""
+
+FIGURES = ("bytes", "peak_bytes", "keeps", "replays", "declined")
+"""The figures each training log gets, as PREFIX + name (AttentionStashCallback says what each is)."""
+
+_COUNTERS = ("keeps", "replays", "declined")  # reported as the increase since the previous log
+_HANDLER_FRAMES = 6  # how far up the stack on_train_begin looks for the CallbackHandler that calls it
+
+# model -> the callback whose stash it has: a stash a train() left installed (it raised before
+# on_train_end, or auto_find_batch_size retried it) is replaced at the next train begin.
+_installed_by = weakref.WeakKeyDictionary()
+
+
+class AttentionStashCallback(TrainerCallback):
+    """The attention stash for transformers.Trainer, and so for TRL's SFTTrainer and the other
+    Trainer subclasses: pass it in `callbacks=[AttentionStashCallback()]`.
+
+    At train begin (on_train_begin) it installs the stash on the model the trainer trains (the
+    callback's `model`, which is the PEFT model when the trainer wraps one: SFTTrainer's
+    peft_config included), after the trainer has enabled gradient checkpointing (both
+    transformers 4.57 and 5.x enable it in train() before on_train_begin), reentrant or not.
+    At train end (on_train_end) it uninstalls it and gives back the budget it replaced.
+
+    Args:
+        num_layers: how many attention layers to stash, counted from the last; None: all of
+            them (as install_attention_stash).
+        max_bytes: the stash's budget for the run: an int or a string such as "8GiB"
+            (attnstash.parse_bytes); keeps over it are declined and counted. None leaves the
+            budget as it is. The budget is process-wide (attnstash.stash_set_max_bytes): the
+            callback sets it at train begin and restores the previous one at train end.
+
+    What it logs. Every training log (a log the trainer makes at a logging step: one with
+    "loss"; evaluation logs and the end-of-training summary are left alone) gets, as ints:
+
+        attnstash/bytes        bytes the stash holds at the log (0 once every kept output was
+                               replayed; more means records wait for a backward)
+        attnstash/peak_bytes   the most bytes held at once since the previous training log
+                               (since train begin for the first); the callback resets the
+                               stash's peak (attnstash.stash_reset_peak) at train begin and at
+                               each training log
+        attnstash/keeps        forwards that kept their attention output, since the previous log
+        attnstash/replays      recomputes that took a kept output back, since the previous log
+        attnstash/declined     keeps the budget declined (those recomputes ran attention), since
+                               the previous log
+
+    The figures are the process-wide stash's (attnstash.stash_stats): other models trained in
+    the same process at the same time add to them. If the first training log of a run finds
+    nothing kept or declined, the callback warns: the trainer trains another model than the
+    one it gives its callbacks (Trainer(model_init=...) does, the callback then stashes the
+    model from the trainer's __init__), or the stashed layers did not run.
+
+    Where they go. Trainer.log appends a copy of the logs to state.log_history, then calls
+    every callback's on_log with the logs dict, in the order of the trainer's callback list,
+    which starts with the reporting integrations (report_to: TensorBoard, W&B, MLflow, ...) and
+    ends with the callbacks passed in `callbacks=`. So that every callback sees the figures,
+    at train begin the callback moves itself to the front of that list (it finds the
+    trainer's CallbackHandler, the caller of its on_train_begin); its on_log then adds the
+    figures to the logs dict before any other callback reads it, and to the entry Trainer.log
+    just appended to state.log_history. Should it not find the handler (a trainer that calls
+    callbacks some other way), it warns once: state.log_history and the callbacks after it
+    still get the figures, callbacks before it do not.
+
+    Raises (from trainer.train(), at train begin; nothing is left installed):
+        ValueError: the model trains without gradient checkpointing
+            (TrainingArguments.gradient_checkpointing=False and the model's layers not
+            checkpointed: set gradient_checkpointing=True, which SFTConfig does by default, or
+            call model.gradient_checkpointing_enable()), or some stashed layers are not
+            checkpointed; the model cannot take the stash (install_attention_stash's error: not
+            attn_implementation="sdpa", no attention layers, a bad num_layers); the model
+            already has a stash installed by hand (use one or the other).
+        ValueError at construction: a max_bytes parse_bytes refuses, a num_layers that is
+            not an int.
+
+    A train() that raises (an exception in a step, Ctrl-C) ends without on_train_end, so the
+    stash stays installed on the model (kept outputs are released with their graphs all the
+    same). The next train begin of any AttentionStashCallback on that model replaces it (so a
+    second trainer.train(), and Trainer's auto_find_batch_size retry, just work);
+    callback.uninstall() removes it and restores the budget at once.
+    """
+
+    def __init__(self, num_layers=None, max_bytes=None):
+        if num_layers is not None:
+            if isinstance(num_layers, bool):
+                raise ValueError(f"attnstash: num_layers must be an int or None, got the bool {num_layers!r}.")
+            try:
+                num_layers = operator.index(num_layers)
+            except TypeError:
+                raise ValueError(f"attnstash: num_layers must be an int or None, got {type(num_layers).__name__} "
+                                 f"{num_layers!r}.") from None
+        ops.parse_bytes(max_bytes)  # a bad budget fails here, not at train begin
+        self.num_layers = num_layers
+        self.max_bytes = max_bytes
+        self.layers = None        # the decoder layers stashed in the current run (install_attention_stash's result)
+        self._model = None        # weakref to the model with the stash, while installed
+        self._budget = None       # (the budget to restore,) while this callback replaced it
+        self._last = None         # the counters at the previous training log
+        self._first = None        # whether on_train_begin found the handler and moved itself first
+        self._warned = False
+        self._logged = False      # whether the current run made a training log
+
+    def __repr__(self):
+        return f"AttentionStashCallback(num_layers={self.num_layers!r}, max_bytes={self.max_bytes!r})"
+
+    # ---- the trainer's events ----------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise ValueError("attnstash: AttentionStashCallback got no model at train begin; it needs the model the "
+                             "trainer trains (transformers.Trainer passes it to its callbacks).")
+        self._first = self._run_first()
+        leftover = _installed_by.get(model)
+        if leftover is not None:  # a train() that raised, or an auto_find_batch_size retry
+            logger.info("attnstash: removing the stash an earlier train() left installed on %s (it ended without "
+                        "on_train_end)", type(model).__name__)
+            leftover.uninstall()
+        if huggingface.layer_stash_stats(model):
+            raise ValueError(
+                f"attnstash: the trainer's model ({type(model).__name__}) already has the attention stash, installed "
+                "with install_attention_stash: use AttentionStashCallback or install_attention_stash, not both. Remove "
+                "the callback, or call attnstash.uninstall_attention_stash(model) before training.")
+        previous = ops.stash_max_bytes()
+        try:
+            layers = huggingface.install_attention_stash(model, self.num_layers, max_bytes=self.max_bytes)
+        except ValueError as e:
+            ops.stash_set_max_bytes(previous)
+            raise ValueError(f"attnstash: AttentionStashCallback cannot install the stash on the trainer's model "
+                             f"({type(model).__name__}): {str(e).removeprefix('attnstash: ')}") from e
+        try:
+            self._check_checkpointing(args, model, layers)
+        except BaseException:
+            huggingface.uninstall_attention_stash(model)
+            ops.stash_set_max_bytes(previous)
+            raise
+        self.layers = layers
+        self._model = weakref.ref(model)
+        self._budget = (previous,) if self.max_bytes is not None else None
+        _installed_by[model] = self
+        stats = ops.stash_stats()
+        self._last = {name: stats[name] for name in _COUNTERS}
+        self._logged = False
+        ops.stash_reset_peak()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self._model is None or not isinstance(logs, dict) or "loss" not in logs:
+            return
+        entry = state.log_history[-1] if state.log_history else None
+        # The entry Trainer.log appended for these logs: a copy of them, so the same loss object.
+        appended = isinstance(entry, dict) and entry.get("loss", None) is logs["loss"]
+        figures = self.figures()
+        if not self._logged and not (figures[PREFIX + "keeps"] or figures[PREFIX + "declined"]):
+            logger.warning(
+                "attnstash: the stash kept nothing since training began: the trainer trains another model than the "
+                "one it gave AttentionStashCallback (Trainer(model_init=...) gives callbacks the model from its "
+                "__init__), or the stashed layers did not run.")
+        self._logged = True
+        logs.update(figures)
+        if appended:
+            entry.update(figures)
+        elif not self._warned:
+            self._warned = True
+            logger.warning("attnstash: AttentionStashCallback did not find the trainer's state.log_history entry for "
+                           "this log; the attnstash/ figures are in the logs the callbacks see only.")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.uninstall()
+
+    # ---- the rest ------------------------------------------------------------------------------
+
+    def figures(self):
+        """{PREFIX + name: int} for FIGURES, the counters as increases since the previous call
+        (or train begin); resets the stash's peak. on_log calls it at each training log."""
+        stats = ops.stash_stats()
+        last = self._last or {name: 0 for name in _COUNTERS}
+        figures = {PREFIX + "bytes": stats["bytes"], PREFIX + "peak_bytes": stats["peak_bytes"]}
+        for name in _COUNTERS:
+            figures[PREFIX + name] = stats[name] - last[name]
+        self._last = {name: stats[name] for name in _COUNTERS}
+        ops.stash_reset_peak()
+        return figures
+
+    def uninstall(self):
+        """Uninstall the stash this callback installed, if it still is, and restore the budget it
+        replaced. Returns whether there was one. on_train_end calls it; call it yourself after a
+        train() that raised, to remove the stash at once."""
+        model = self._model() if self._model is not None else None
+        budget, self._model, self._budget, self.layers = self._budget, None, None, None
+        try:
+            if model is not None:
+                if _installed_by.get(model) is self:
+                    del _installed_by[model]
+                if huggingface.layer_stash_stats(model):
+                    huggingface.uninstall_attention_stash(model)
+        finally:
+            if budget is not None:
+                ops.stash_set_max_bytes(budget[0])
+        return model is not None
+
+    def _run_first(self):
+        """Move this callback to the front of the trainer's callback list (see the class
+        docstring, "Where they go"); whether it could. Called from on_train_begin, while the
+        CallbackHandler iterates over that list: popping this callback from index i and
+        inserting it at 0 leaves every later callback at its index, so the iteration goes on
+        with the same next callback and no callback runs twice or is skipped."""
+        try:
+            from transformers.trainer_callback import CallbackHandler
+        except ImportError:
+            CallbackHandler = None
+        frame = sys._getframe(1)
+        try:
+            for _ in range(_HANDLER_FRAMES):
+                if frame is None or CallbackHandler is None:
+                    break
+                handler = frame.f_locals.get("self")
+                if isinstance(handler, CallbackHandler) and isinstance(getattr(handler, "callbacks", None), list):
+                    callbacks = handler.callbacks
+                    index = next((i for i, cb in enumerate(callbacks) if cb is self), None)
+                    if index is not None:
+                        if index:
+                            callbacks.insert(0, callbacks.pop(index))
+                        return True
+                frame = frame.f_back
+        finally:
+            del frame
+        logger.warning("attnstash: AttentionStashCallback could not find the trainer's callback list to run first: "
+                       "callbacks listed before it (reporting integrations among them) will not see the attnstash/ "
+                       "figures in their on_log; state.log_history gets them.")
+        return False
+
+    @staticmethod
+    def _check_checkpointing(args, model, layers):
+        decoder = huggingface.decoder_layers(model)
+        unchecked = [i for i in layers if not getattr(decoder[i], "gradient_checkpointing", False)]
+        if not unchecked:
+            return
+        if len(unchecked) == len(layers) and not any(getattr(m, "gradient_checkpointing", False) for m in decoder):
+            flag = getattr(args, "gradient_checkpointing", None)
+            raise ValueError(
+                "attnstash: AttentionStashCallback needs gradient checkpointing, and the trainer trains "
+                f"{type(model).__name__} without it (TrainingArguments.gradient_checkpointing={flag}, and no decoder "
+                "layer of the model is checkpointed): the stash keeps attention outputs for the checkpoint's "
+                "recompute, so without one it could only cost memory. Set gradient_checkpointing=True in the "
+                "TrainingArguments (SFTConfig's default), reentrant or not (gradient_checkpointing_kwargs="
+                "{'use_reentrant': False}), or call model.gradient_checkpointing_enable() before training; or remove "
+                "the callback.")
+        raise ValueError(
+            f"attnstash: AttentionStashCallback: decoder layers {unchecked} of {type(model).__name__} would be stashed "
+            "but are not checkpointed (gradient checkpointing of every n-th layer?): a stashed layer must be "
+            "checkpointed. Checkpoint every layer, or pass a num_layers that covers only checkpointed layers.")

@@ -1,0 +1,176 @@
+"""The stash's budget (max_bytes): it is never exceeded, a keep over it is declined and
+that layer's recompute runs attention as the normal recompute does (same numbers), the
+last layers get the budget first, and units read as other tools read them."""
+import copy
+
+import pytest
+import torch
+
+import attnstash
+from attnstash import ops
+from tiny_models import assert_bitwise_equal, batch, clone, tiny_model
+
+MODES = {"reentrant": True, "non-reentrant": False}
+
+
+@pytest.fixture(autouse=True)
+def no_budget_after():
+    yield
+    attnstash.stash_set_max_bytes(None)
+
+
+def per_layer_bytes(batch_size=2, seq=24, heads=4, head_dim=16):
+    return batch_size * heads * seq * head_dim * 4 + batch_size * heads * seq * 4  # fp32 output + LSE
+
+
+@pytest.mark.parametrize("text,count", [("8GiB", 8 * 2**30), ("512MB", 512 * 10**6), ("1.5 GB", 1_500_000_000),
+                                        ("1024", 1024), ("64KiB", 65536), ("3kb", 3000), (0, 0), (7, 7),
+                                        (None, None)])
+def test_sizes_read_as_other_tools_read_them(text, count):
+    assert attnstash.parse_bytes(text) == count
+
+
+@pytest.mark.parametrize("bad", [-1, True, False, "-3MB", "lots", "8 GiBs", "1e9", 1.5, [1]])
+def test_a_bad_size_names_the_accepted_forms(bad):
+    with pytest.raises(ValueError, match="KiB, MiB, GiB"):
+        attnstash.parse_bytes(bad)
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="KiB, MiB, GiB"):
+        attnstash.install_attention_stash(model, max_bytes=bad)
+    assert not any(hasattr(m, "_attnstash") for m in model.modules())
+
+
+def test_the_budget_is_the_stashs_own_and_works_without_the_installer():
+    q, k, v = (torch.randn(2, 4, 24, 16) for _ in range(3))
+    anchors = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    one = 2 * 4 * 24 * 16 * 4 + 2 * 4 * 24 * 4
+    attnstash.stash_set_max_bytes(2 * one)
+    assert attnstash.stash_max_bytes() == 2 * one and attnstash.stash_stats()["max_bytes"] == 2 * one
+    declined = attnstash.stash_stats()["declined"]
+    with torch.no_grad():
+        outs = [ops.sdpa_fwd_keep(q, k, v, a, 0) for a in anchors]
+    # The third keep made room by demoting the oldest record: the newest two are kept.
+    held = [ops.entry_id(a, 0) for a in anchors]
+    assert all(held) and attnstash.stash_stats()["bytes"] == 2 * one
+    assert attnstash.stash_stats()["declined"] == declined + 1
+    with torch.no_grad():  # every recompute still gets the right output: the demoted one runs it
+        for a, out in zip(anchors, outs):
+            assert torch.equal(ops.sdpa_replay(q, k, v, a, 0), out)
+    assert attnstash.stash_stats()["entries"] == 0
+    attnstash.stash_set_max_bytes("0")
+    with torch.no_grad():
+        ops.sdpa_fwd_keep(q, k, v, anchors[0], 0)
+    assert attnstash.stash_stats()["bytes"] == 0 and ops.held_by_slot()[0] == (1, 0, 1)
+    with torch.no_grad():
+        ops.sdpa_replay(q, k, v, anchors[0], 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("fits", [0, 1, 2, 3])
+def test_a_budget_keeps_the_last_layers_that_fit_and_trains_bitwise(mode, fits):
+    base = tiny_model("llama")
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": MODES[mode]})
+    ids = batch()
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        held = attnstash.layer_stash_stats(model) if hasattr(model.model.layers[0], "_attnstash") else None
+        loss.backward()
+        return (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}), held
+
+    reference, _ = step(clone(base))
+    model = clone(base)
+    attnstash.install_attention_stash(model, max_bytes=fits * per_layer_bytes())
+    try:
+        before = attnstash.stash_stats()
+        got, held = step(model)
+        after = attnstash.stash_stats()
+    finally:
+        attnstash.uninstall_attention_stash(model)
+    assert_bitwise_equal(got, reference)
+    kept = {i for i, h in held.items() if h.bytes}
+    assert kept == set(range(3 - fits, 3))  # the last layers: released first in backward
+    assert all(held[i] == (1, 0, 1) for i in range(3 - fits))  # the others hold declined records
+    assert after["peak_bytes"] <= fits * per_layer_bytes()
+    assert after["declined"] - before["declined"] == 3 - fits
+    assert after["replays"] - before["replays"] == fits
+    assert after["entries"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_budget_is_never_exceeded_over_varied_steps(mode):
+    # Batches of varying length (padded and not), several micro-batches in flight, both
+    # checkpointing modes; install resets the peak, so peak_bytes covers the whole run.
+    base = tiny_model("qwen2", layers=4)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": MODES[mode]})
+    budget = 3 * per_layer_bytes(seq=24)
+    rng = torch.Generator().manual_seed(0)
+    steps = []
+    for step in range(6):
+        micro = []
+        for m in range(1 + step % 3):
+            seq = int(torch.randint(8, 40, (1,), generator=rng))
+            ids = torch.randint(0, 97, (2, seq), generator=rng)
+            mask = torch.ones_like(ids)
+            if (step + m) % 2:
+                mask[1, : seq // 3] = 0
+            micro.append((ids, mask))
+        steps.append(micro)
+
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for micro in steps:
+            pending = [model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+                       for ids, mask in micro]  # every micro-batch's forward before the backwards
+            for loss in reversed(pending):
+                loss.backward()
+                losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    ref_losses, ref_params = train(clone(base))
+    model = clone(base)
+    attnstash.stash_reset_peak()
+    attnstash.install_attention_stash(model, max_bytes=budget)
+    try:
+        before = attnstash.stash_stats()
+        losses, params = train(model)
+        after = attnstash.stash_stats()
+    finally:
+        attnstash.uninstall_attention_stash(model)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    assert 0 < after["peak_bytes"] <= budget
+    assert after["declined"] > before["declined"] and after["replays"] > before["replays"]
+    assert after["entries"] == 0
+
+
+def test_a_demoted_non_reentrant_record_is_refilled_through_the_record():
+    # Non-reentrant: a record kept behind its node and demoted later (another keep needed
+    # the room) is refilled by its recompute, and the node's backward uses that.
+    base = tiny_model("llama")
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids_a, ids_b = batch(seed=1), batch(seed=2)
+
+    def two(model):
+        model.zero_grad(set_to_none=True)
+        a = model(input_ids=ids_a, labels=ids_a).loss
+        b = model(input_ids=ids_b, labels=ids_b).loss  # its keeps demote a's, oldest first
+        b.backward()
+        a.backward()
+        return (a.detach() + b.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+
+    reference = two(clone(base))
+    model = clone(base)
+    attnstash.install_attention_stash(model, max_bytes=3 * per_layer_bytes())
+    try:
+        before = attnstash.stash_stats()
+        got = two(model)
+        after = attnstash.stash_stats()
+    finally:
+        attnstash.uninstall_attention_stash(model)
+    assert_bitwise_equal(got, reference)
+    assert after["declined"] - before["declined"] == 3 and after["replays"] - before["replays"] == 3

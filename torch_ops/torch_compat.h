@@ -1,0 +1,23 @@
+// torch_compat.h: where the torch C++ API differs between the torch releases attnstash
+// supports (attnstash/_library.py's SUPPORTED_TORCH; CMakeLists.txt refuses any other),
+// each difference with the releases it applies to. What F.sdpa does before one backend's
+// kernel is that backend's fact and lives in its file (torch_ops/backends/).
+#pragma once
+
+#include <torch/version.h>
+
+// Whether the torch this is compiled against is major.minor or newer.
+#define ATTNSTASH_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+// at::SDPBackend (torch.nn.attention.SDPBackend's values, as at::_fused_sdp_choice returns
+// them): <ATen/SDPBackend.h> since torch 2.6; torch 2.5 has the same enum, same values, as
+// sdp::SDPBackend in sdp_utils_cpp.h.
+#if ATTNSTASH_TORCH_AT_LEAST(2, 6)
+#include <ATen/SDPBackend.h>
+#else
+#include <ATen/native/transformers/sdp_utils_cpp.h>
+namespace at {
+using SDPBackend = sdp::SDPBackend;
+}  // namespace at
+#endif
