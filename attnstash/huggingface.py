@@ -499,6 +499,20 @@ def _detach(layer):
         stash.forget()
 
 
+def layer_count(num_layers):
+    """num_layers as an int (what operator.index accepts, bools refused) or None; ValueError
+    otherwise. Whether it fits the model is install_attention_stash's to check."""
+    if num_layers is None:
+        return None
+    if isinstance(num_layers, bool):
+        raise ValueError(f"attnstash: num_layers must be an int or None, got the bool {num_layers!r}.")
+    try:
+        return operator.index(num_layers)
+    except TypeError:
+        raise ValueError(f"attnstash: num_layers must be an int or None, got {type(num_layers).__name__} "
+                         f"{num_layers!r}.") from None
+
+
 def install_attention_stash(model, num_layers=None, *, max_bytes=None):
     """Stash the attention of a Hugging Face model's last `num_layers` attention layers.
 
@@ -528,14 +542,7 @@ def install_attention_stash(model, num_layers=None, *, max_bytes=None):
     """
     layer_class, interface = _entry_points()
     budget = ops.parse_bytes(max_bytes)
-    if num_layers is not None:
-        if isinstance(num_layers, bool):
-            raise ValueError(f"attnstash: num_layers must be an int or None, got the bool {num_layers!r}.")
-        try:
-            num_layers = operator.index(num_layers)
-        except TypeError:
-            raise ValueError(f"attnstash: num_layers must be an int or None, got {type(num_layers).__name__} "
-                             f"{num_layers!r}.") from None
+    num_layers = layer_count(num_layers)
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if impl != "sdpa":
         raise ValueError(f"attnstash: the model uses attn_implementation={impl!r}; the stash replaces SDPA "

@@ -10,7 +10,6 @@ trainer trains when training begins, reports the stash's figures in the trainer'
 uninstalls it when training ends. See AttentionStashCallback for the details.
 """
 import logging
-import operator
 import sys
 import weakref
 
@@ -102,16 +101,8 @@ class AttentionStashCallback(TrainerCallback):
     """
 
     def __init__(self, num_layers=None, max_bytes=None):
-        if num_layers is not None:
-            if isinstance(num_layers, bool):
-                raise ValueError(f"attnstash: num_layers must be an int or None, got the bool {num_layers!r}.")
-            try:
-                num_layers = operator.index(num_layers)
-            except TypeError:
-                raise ValueError(f"attnstash: num_layers must be an int or None, got {type(num_layers).__name__} "
-                                 f"{num_layers!r}.") from None
-        ops.parse_bytes(max_bytes)  # a bad budget fails here, not at train begin
-        self.num_layers = num_layers
+        ops.parse_bytes(max_bytes)  # a bad budget or layer count fails here, not at train begin
+        self.num_layers = huggingface.layer_count(num_layers)
         self.max_bytes = max_bytes
         self.layers = None        # the decoder layers stashed in the current run (install_attention_stash's result)
         self._model = None        # weakref to the model with the stash, while installed

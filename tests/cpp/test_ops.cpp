@@ -1,11 +1,14 @@
 // test_ops.cpp: pins the behaviour of the attnstash torch ops as C++ sees them,
-// called through the dispatcher (no Python): their registration, the phase rules of
-// sdpa_fwd_keep (keep only in a first forward: grad off, anchor requiring grad),
-// and the keep -> replay round trip through the stash.
+// called through the dispatcher (no Python): their registration (CPU, Autograd and
+// Autocast kernels), the phase rules of sdpa_fwd_keep as far as C++ reaches them (a
+// reentrant first forward keeps: grad off, anchor requiring grad; an ordinary
+// differentiable call keeps nothing), the keep -> replay round trip through the stash,
+// and the stash's budget set from C++.
 
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
@@ -208,6 +211,55 @@ TEST_F(AttnstashOps, WithGradModeOnKeepsNothingAndEqualsSdpa) {
   ASSERT_EQ(out.sizes(), expected.sizes());
   EXPECT_TRUE(at::equal(out, expected));
   EXPECT_TRUE(out.requires_grad()) << "an ordinary call must stay differentiable";
+}
+
+// --- autocast and the budget, from C++ --------------------------------------------
+
+TEST_F(AttnstashOps, BothOpsHaveAutocastKernelsForCpuAndCuda) {
+  for (const char* name : {"attnstash::sdpa_fwd_keep", "attnstash::sdpa_replay"}) {
+    SCOPED_TRACE(name);
+    EXPECT_TRUE(Op(name).hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU));
+    EXPECT_TRUE(Op(name).hasKernelForDispatchKey(c10::DispatchKey::AutocastCUDA));
+  }
+}
+
+TEST_F(AttnstashOps, UnderCpuAutocastTheKeptOutputIsInTheAutocastDtypeAndBitwiseSdpa) {
+  Attn a = MakeAttn(2, 4, 4, 32, 64, /*is_causal=*/true, /*enable_gqa=*/false);
+  at::Tensor anchor = MakeAnchor();
+  at::Tensor kept, expected;
+  {
+    at::NoGradGuard no_grad;
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    kept = FwdKeep(a, anchor, /*slot=*/0);
+    expected = PlainSdpa(a);  // F.sdpa under autocast: every input cast to bf16
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+  }
+  EXPECT_EQ(kept.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(kept, expected));
+  EXPECT_EQ(Delta("keeps"), 1);
+  EXPECT_EQ(StashClear(), 1);
+}
+
+TEST_F(AttnstashOps, ABudgetSetFromCppDeclinesWhatDoesNotFit) {
+  static auto set_max_bytes = Op("attnstash::stash_set_max_bytes").typed<void(int64_t)>();
+  Attn a = MakeAttn(1, 2, 2, 8, 16, /*is_causal=*/false, /*enable_gqa=*/false);
+  at::Tensor anchor = MakeAnchor();
+  set_max_bytes.call(0);
+  EXPECT_EQ(StashStats().at("max_bytes"), 0);
+  {
+    at::NoGradGuard no_grad;
+    at::Tensor out = FwdKeep(a, anchor, /*slot=*/0);
+    EXPECT_TRUE(at::equal(out, PlainSdpa(a)));
+    at::Tensor replayed = Replay(a, anchor, /*slot=*/0);  // a declined record: the forward runs now
+    EXPECT_TRUE(at::equal(replayed, out));
+  }
+  set_max_bytes.call(-1);
+  EXPECT_EQ(StashStats().at("max_bytes"), -1);
+  EXPECT_EQ(Delta("declined"), 1);
+  EXPECT_EQ(Delta("keeps"), 0);
+  EXPECT_EQ(Delta("entries"), 0);
 }
 
 }  // namespace

@@ -30,7 +30,7 @@ stage() {  # stage NAME SECONDS COMMAND...
 
 # The GPU image's default compiler (/opt/gcc) puts pieces of its libstdc++ into the
 # shared object itself, and their iostreams crash inside torch's process (seen on the
-# H200 machine, 2026-11-29): build with the system compiler when there is one.
+# H200 machine): build with the system compiler when there is one.
 compilers=()
 if [ -x /usr/bin/gcc ] && [ -x /usr/bin/g++ ]; then
   compilers=(-DCMAKE_C_COMPILER=/usr/bin/gcc -DCMAKE_CXX_COMPILER=/usr/bin/g++)

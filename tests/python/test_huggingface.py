@@ -1,6 +1,7 @@
-"""install_attention_stash on tiny Hugging Face models with reentrant checkpointing:
-the same loss and gradients as the normal recompute, nothing held after, and a clear
-error for every set-up in which a kept output could not be replayed."""
+"""install_attention_stash on tiny Hugging Face models, with reentrant checkpointing (the
+models tiny_models builds) and non-reentrant checkpointing: the same loss and gradients
+as the normal recompute, nothing held after, and a clear error for every set-up in which
+a kept output could not be replayed or nothing would be kept."""
 import copy
 import gc
 
