@@ -1,10 +1,12 @@
 // test_stash_registry.cpp: pins the behaviour of the C stash registry
 // (csrc/stash_registry.h): keys, ids, error codes, shared records and their
-// reference counts, declined records, the budget, retain and release callbacks,
-// stats, growth, random runs against a std::map model, and concurrent use.
+// reference counts, declined records, the budget and its demotion of the oldest
+// kept records, retain, release and demote callbacks, stats, growth, random runs
+// against a std::map model, and concurrent use.
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <deque>
@@ -60,12 +62,30 @@ struct Payload {
   std::atomic<int> retains{0};
   std::atomic<int> releases{0};
   std::atomic<int> takes{0};  // bumped by whoever takes a reference back (concurrency tests)
+  // Demotion: what the demote callback returns (nullptr: it fails, as out of memory), how
+  // often it was called, and a log (may be nullptr) of the ids it was called for.
+  Payload *stand_in = nullptr;
+  std::atomic<int> demotes{0};
+  std::vector<int> *demote_log = nullptr;
 };
 
 void CountRetain(void *payload) { static_cast<Payload *>(payload)->retains.fetch_add(1); }
 void CountRelease(void *payload) { static_cast<Payload *>(payload)->releases.fetch_add(1); }
+void *DemoteToStandIn(void *payload) {
+  auto *p = static_cast<Payload *>(payload);
+  p->demotes.fetch_add(1);
+  if (p->demote_log != nullptr) p->demote_log->push_back(p->id);
+  return p->stand_in;
+}
 
 stash_entry EntryFor(Payload &p) { return stash_entry{&p, p.bytes, CountRetain, CountRelease}; }
+
+// A demotable entry: its demote callback hands the registry `stand_in` (nullptr: it fails).
+// The stand-in is released, like the payload, with CountRelease.
+stash_entry DemotableEntryFor(Payload &p, Payload *stand_in) {
+  p.stand_in = stand_in;
+  return stash_entry{&p, p.bytes, CountRetain, CountRelease, DemoteToStandIn};
+}
 
 // An entry that may never be shared: it has no retain callback.
 stash_entry UnshareableEntryFor(Payload &p) { return stash_entry{&p, p.bytes, nullptr, CountRelease}; }
@@ -923,6 +943,632 @@ TEST(StashRegistry, LoweringTheBudgetBelowWhatIsHeldKeepsItAndRefusesEveryKeep) 
   EXPECT_EQ(Stats(reg.get()).peak_bytes, 130u);
 }
 
+// --- budget demotion ---------------------------------------------------------
+
+// Demotable payloads (ids 0..n-1), each with a stand-in of its own (ids 1000 + i), logging
+// the ids their demote callbacks were called for. Declare it before the Registry.
+struct Demotables {
+  std::deque<Payload> originals, stand_ins;
+  std::vector<int> log;
+  explicit Demotables(const std::vector<size_t> &bytes) : originals(bytes.size()), stand_ins(bytes.size()) {
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      originals[i].id = int(i);
+      originals[i].bytes = bytes[i];
+      originals[i].demote_log = &log;
+      stand_ins[i].id = 1000 + int(i);
+    }
+  }
+  stash_entry Entry(size_t i) { return DemotableEntryFor(originals[i], &stand_ins[i]); }
+  Held Kept(size_t i, uint64_t id, uint32_t refs = 1) {
+    return Held{&originals[i], originals[i].bytes, id, refs, false};
+  }
+  Held Demoted(size_t i, uint64_t id, uint32_t refs = 1) { return Held{&stand_ins[i], 0, id, refs, true}; }
+  // The ids the demote callbacks were called for, in increasing order (the contract says
+  // which records are demoted, not in which order their callbacks run).
+  std::vector<int> SortedLog() const {
+    std::vector<int> sorted = log;
+    std::sort(sorted.begin(), sorted.end());
+    return sorted;
+  }
+  int Demotes(size_t i) const { return originals[i].demotes.load(); }
+};
+
+TEST(StashRegistryDemotion, KeepOverTheBudgetDemotesTheOldestKeptRecordIntoADeclinedStandIn) {
+  Demotables d({60});
+  Payload b;
+  Registry reg;
+  b.bytes = 60;
+  stash_key ka = MakeKey(0xe000, 0, {2}, 0), kb = MakeKey(0xe040, 0, {2}, 0);
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 100), STASH_OK);
+  uint64_t ida = Keep(reg.get(), ka, d.Entry(0));
+  EXPECT_EQ(d.Demotes(0), 0);  // it fitted: nothing demoted
+  uint64_t idb = Keep(reg.get(), kb, EntryFor(b));
+
+  // The old record holds the stand-in, no bytes, and its id; the new one is kept.
+  EXPECT_EQ(Peek(reg.get(), ka), d.Demoted(0, ida));
+  EXPECT_EQ(Peek(reg.get(), kb), (Held{&b, 60, idb, 1, false}));
+  stash_stats want = FreshStats();
+  want.max_bytes = 100;
+  want.entries = 2;
+  want.bytes = want.peak_bytes = 60;  // never 120, not even for a moment
+  want.keeps = 1;                     // the demoted forward moved from keeps...
+  want.declined = 1;                  // ...to declined
+  EXPECT_EQ(Stats(reg.get()), want);
+
+  // Its demote callback ran once, on its payload; the registry released its reference
+  // to the old payload and holds the stand-in's, which nothing retained or released.
+  EXPECT_EQ(d.log, std::vector<int>({0}));
+  EXPECT_EQ(d.originals[0].releases.load(), 1);
+  EXPECT_EQ(d.originals[0].retains.load(), 0);
+  EXPECT_EQ(d.stand_ins[0].releases.load() + d.stand_ins[0].retains.load(), 0);
+  EXPECT_EQ(b.releases.load() + b.retains.load() + b.demotes.load(), 0);
+
+  // The demoted record keeps its entry's callbacks.
+  struct Seen {
+    stash_entry entry;
+    int declined;
+  } seen{};
+  ASSERT_EQ(stash_peek(
+                reg.get(), &ka,
+                [](const stash_record *r, void *c) { *static_cast<Seen *>(c) = Seen{*r->entry, r->declined}; },
+                &seen),
+            STASH_OK);
+  EXPECT_EQ(seen.entry.retain, &CountRetain);
+  EXPECT_EQ(seen.entry.release, &CountRelease);
+  EXPECT_EQ(seen.entry.demote, &DemoteToStandIn);
+  EXPECT_NE(seen.declined, 0);
+
+  reg.Destroy();
+  EXPECT_EQ(d.originals[0].releases.load(), 1);  // not again
+  EXPECT_EQ(d.stand_ins[0].releases.load(), 1);
+  EXPECT_EQ(b.releases.load(), 1);
+}
+
+TEST(StashRegistryDemotion, TheOldestRecordsByIdAreDemotedWhateverTheirAnchorVersionOrSlot) {
+  // Twelve demotable records of 10 bytes: the even ones in one chain (one anchor, slots
+  // 0, 2, ..., newest at the chain's head), the odd ones under anchors in reverse order.
+  const size_t n = 12;
+  Demotables d(std::vector<size_t>(n, 10));
+  Payload n1, n2, n3, n4;
+  Registry reg;
+  n1.bytes = 35;
+  n2.bytes = 10;
+  n3.bytes = 50;
+  n4.bytes = 40;
+  std::vector<stash_key> keys;
+  std::vector<uint64_t> ids;
+  for (size_t i = 0; i < n; ++i) {
+    keys.push_back(i % 2 == 0 ? MakeKey(0xe100, 0, {4}, int64_t(i))
+                              : MakeKey(0xe100 + 0x40 * (n - i), int64_t(i), {int64_t(i)}, 0));
+    ids.push_back(Keep(reg.get(), keys[i], d.Entry(i)));
+  }
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 120), STASH_OK);
+  auto expect_demoted = [&](std::set<size_t> demoted, std::set<size_t> gone) {
+    for (size_t i = 0; i < n; ++i) {
+      if (gone.count(i)) continue;
+      EXPECT_EQ(Peek(reg.get(), keys[i]), demoted.count(i) ? d.Demoted(i, ids[i]) : d.Kept(i, ids[i])) << i;
+    }
+  };
+
+  // A hole: record 1 is taken back. 110 held; 35 more need 25: records 0, 2 and 3.
+  ASSERT_EQ(Take(reg.get(), keys[1]).status, STASH_OK);
+  Keep(reg.get(), MakeKey(0xe900, 0, {}, 0), EntryFor(n1));
+  EXPECT_EQ(d.SortedLog(), std::vector<int>({0, 2, 3}));
+  expect_demoted({0, 2, 3}, {1});
+  EXPECT_EQ(Stats(reg.get()).bytes, 115u);
+
+  // 10 more need 5: record 4 alone.
+  Keep(reg.get(), MakeKey(0xe900, 0, {}, 1), EntryFor(n2));
+  EXPECT_EQ(d.SortedLog(), std::vector<int>({0, 2, 3, 4}));
+  expect_demoted({0, 2, 3, 4}, {1});
+
+  // 50 more need 45: records 5 to 9, not the newer kept records 10 and 11.
+  Keep(reg.get(), MakeKey(0xe900, 0, {}, 2), EntryFor(n3));
+  EXPECT_EQ(d.SortedLog(), std::vector<int>({0, 2, 3, 4, 5, 6, 7, 8, 9}));
+  expect_demoted({0, 2, 3, 4, 5, 6, 7, 8, 9}, {1});
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.bytes, 115u);
+  EXPECT_EQ(s.peak_bytes, 120u);
+  EXPECT_EQ(s.keeps, 2u + 3u + 1u);  // records 10, 11 and n1..n3 (and 1, taken)
+  EXPECT_EQ(s.declined, 9u);
+
+  // 40 more need 35, but only records 10 and 11 (20 bytes) can still be demoted.
+  stash_key k4 = MakeKey(0xe900, 0, {}, 3);
+  EXPECT_EQ(stash_keep(reg.get(), &k4, EntryFor(n4), nullptr), STASH_ERR_BUDGET);
+  EXPECT_EQ(Stats(reg.get()), s);
+  expect_demoted({0, 2, 3, 4, 5, 6, 7, 8, 9}, {1});
+  for (size_t i = 0; i < n; ++i) {
+    const bool demoted = i != 1 && i < 10;
+    EXPECT_EQ(d.originals[i].releases.load(), demoted ? 1 : 0) << i;
+    // A demoted record holds its stand-in; one made in vain for 10 or 11 was released.
+    EXPECT_EQ(d.stand_ins[i].releases.load(), demoted ? 0 : d.Demotes(i)) << i;
+    EXPECT_LE(d.Demotes(i), 1) << i;
+  }
+}
+
+TEST(StashRegistryDemotion, OnlyAsManyRecordsAreDemotedAsTheKeepNeeds) {
+  Demotables d({10, 20, 30});
+  Payload a, b, empty, fits;
+  Registry reg;
+  a.bytes = 10;
+  b.bytes = 15;
+  fits.bytes = 5;
+  std::vector<stash_key> keys = {MakeKey(0xe200, 0, {}, 0), MakeKey(0xe200, 0, {}, 1), MakeKey(0xe200, 0, {}, 2)};
+  std::vector<uint64_t> ids;
+  for (size_t i = 0; i < 3; ++i) ids.push_back(Keep(reg.get(), keys[i], d.Entry(i)));
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 60), STASH_OK);
+
+  // An empty keep at a full budget needs no room.
+  Keep(reg.get(), MakeKey(0xe240, 0, {}, 0), EntryFor(empty));
+  EXPECT_TRUE(d.log.empty());
+  // 10 more need 10: the 10-byte record, exactly.
+  Keep(reg.get(), MakeKey(0xe240, 0, {}, 1), EntryFor(a));
+  EXPECT_EQ(d.log, std::vector<int>({0}));
+  // 15 more need 15: the 20-byte record frees enough; the 30-byte one stays.
+  Keep(reg.get(), MakeKey(0xe240, 0, {}, 2), EntryFor(b));
+  EXPECT_EQ(d.SortedLog(), std::vector<int>({0, 1}));
+  EXPECT_EQ(Peek(reg.get(), keys[0]), d.Demoted(0, ids[0]));
+  EXPECT_EQ(Peek(reg.get(), keys[1]), d.Demoted(1, ids[1]));
+  EXPECT_EQ(Peek(reg.get(), keys[2]), d.Kept(2, ids[2]));
+  EXPECT_EQ(Stats(reg.get()).bytes, 55u);
+  // 5 more fit exactly: nothing is demoted.
+  Keep(reg.get(), MakeKey(0xe240, 0, {}, 3), EntryFor(fits));
+  EXPECT_EQ(d.SortedLog(), std::vector<int>({0, 1}));
+  EXPECT_EQ(Peek(reg.get(), keys[2]), d.Kept(2, ids[2]));
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.bytes, 60u);
+  EXPECT_EQ(s.peak_bytes, 60u);
+  EXPECT_EQ(s.keeps, 5u);
+  EXPECT_EQ(s.declined, 2u);
+}
+
+TEST(StashRegistryDemotion, DeclinedAndNonDemotableRecordsAreSkippedAndADemotedRecordIsNeverDemotedAgain) {
+  // Ids 1..4: a declined record with a demote callback, a kept one without, two demotable.
+  Demotables d({50, 40, 30, 30});
+  Payload n1, n2, n3;
+  Registry reg;
+  n1.bytes = n2.bytes = n3.bytes = 30;
+  stash_key k0 = MakeKey(0xe300, 0, {}, 0), k1 = MakeKey(0xe300, 0, {}, 1), k2 = MakeKey(0xe300, 0, {}, 2),
+            k3 = MakeKey(0xe300, 0, {}, 3);
+  uint64_t id0 = Decline(reg.get(), k0, d.Entry(0));
+  stash_entry plain = d.Entry(1);
+  plain.demote = nullptr;  // never demoted
+  uint64_t id1 = Keep(reg.get(), k1, plain);
+  uint64_t id2 = Keep(reg.get(), k2, d.Entry(2));
+  uint64_t id3 = Keep(reg.get(), k3, d.Entry(3));
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 100), STASH_OK);
+
+  Keep(reg.get(), MakeKey(0xe340, 0, {}, 0), EntryFor(n1));
+  EXPECT_EQ(d.log, std::vector<int>({2}));
+  Keep(reg.get(), MakeKey(0xe340, 0, {}, 1), EntryFor(n2));
+  EXPECT_EQ(d.SortedLog(), std::vector<int>({2, 3}));
+  // Only the kept record without a demote callback and the new ones hold bytes now.
+  stash_key k6 = MakeKey(0xe340, 0, {}, 2);
+  EXPECT_EQ(stash_keep(reg.get(), &k6, EntryFor(n3), nullptr), STASH_ERR_BUDGET);
+  EXPECT_EQ(d.SortedLog(), std::vector<int>({2, 3}));
+
+  EXPECT_EQ(Peek(reg.get(), k0), (Held{&d.originals[0], 0, id0, 1, true}));  // declined, not demoted
+  EXPECT_EQ(Peek(reg.get(), k1), d.Kept(1, id1));
+  EXPECT_EQ(Peek(reg.get(), k2), d.Demoted(2, id2));
+  EXPECT_EQ(Peek(reg.get(), k3), d.Demoted(3, id3));
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(d.originals[i].releases.load() + d.stand_ins[i].releases.load(), 0) << i;
+  }
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.bytes, 100u);
+  EXPECT_EQ(s.keeps, 3u);
+  EXPECT_EQ(s.declined, 3u);
+}
+
+TEST(StashRegistryDemotion, TakeOfADemotedRecordHandsOutItsStandInAsDeclinedAndIsNoReplay) {
+  Demotables d({80, 80});
+  Payload b, c;
+  Registry reg;
+  b.bytes = c.bytes = 80;
+  stash_key k0 = MakeKey(0xe400, 0, {3}, 0), k1 = MakeKey(0xe400, 1, {3}, 0);
+  uint64_t id0 = Keep(reg.get(), k0, d.Entry(0));
+  uint64_t id1 = Keep(reg.get(), k1, d.Entry(1));
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 160), STASH_OK);
+  Keep(reg.get(), MakeKey(0xe400, 2, {3}, 0), EntryFor(b));
+  EXPECT_EQ(d.log, std::vector<int>({0}));
+  Keep(reg.get(), MakeKey(0xe400, 3, {3}, 0), EntryFor(c));
+  EXPECT_EQ(d.SortedLog(), std::vector<int>({0, 1}));
+
+  // By key, and by key and id.
+  for (size_t i = 0; i < 2; ++i) {
+    Taken t = Take(reg.get(), i == 0 ? k0 : k1, i == 0 ? 0 : id1);
+    ASSERT_EQ(t.status, STASH_OK) << i;
+    EXPECT_EQ(t.entry.payload, &d.stand_ins[i]) << i;
+    EXPECT_EQ(t.entry.bytes, 0u) << i;
+    EXPECT_EQ(t.entry.retain, &CountRetain) << i;
+    EXPECT_EQ(t.entry.release, &CountRelease) << i;
+    EXPECT_EQ(t.entry.demote, &DemoteToStandIn) << i;
+    EXPECT_EQ(t.id, i == 0 ? id0 : id1) << i;
+    EXPECT_EQ(t.declined, 1) << i;
+  }
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.replays, 0u);
+  EXPECT_EQ(s.misses, 0u);
+  EXPECT_EQ(s.declined, 2u);
+  EXPECT_EQ(s.entries, 2u);
+  EXPECT_EQ(s.keeps + s.declined, s.replays + 2u /* declined takes */ + s.released_unused + LiveRefs(reg.get()));
+  reg.Destroy();
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(d.originals[i].releases.load(), 1) << i;  // at the demotion
+    EXPECT_EQ(d.stand_ins[i].releases.load(), 0) << i;  // handed out
+    EXPECT_EQ(d.stand_ins[i].retains.load(), 0) << i;
+  }
+}
+
+TEST(StashRegistryDemotion, ASharedRecordIsDemotedWithAllItsReferencesMovingFromKeepsToDeclined) {
+  Demotables d({70});
+  Payload b;
+  Registry reg;
+  b.bytes = 50;
+  stash_key ka = MakeKey(0xe500, 0, {}, 0), kb = MakeKey(0xe500, 0, {}, 1);
+  uint64_t id = Keep(reg.get(), ka, d.Entry(0));
+  ASSERT_EQ(stash_share(reg.get(), &ka, id), STASH_OK);
+  ASSERT_EQ(stash_share(reg.get(), &ka, id), STASH_OK);
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 100), STASH_OK);
+  EXPECT_EQ(Stats(reg.get()).keeps, 3u);
+
+  Keep(reg.get(), kb, EntryFor(b));
+  EXPECT_EQ(Peek(reg.get(), ka), d.Demoted(0, id, 3));
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.keeps, 1u);
+  EXPECT_EQ(s.declined, 3u);
+  EXPECT_EQ(s.bytes, 50u);
+  // One reference of the old payload, the registry's, however many forwards: released once.
+  EXPECT_EQ(d.originals[0].releases.load(), 1);
+  EXPECT_EQ(d.originals[0].retains.load(), 0);
+  EXPECT_EQ(d.stand_ins[0].retains.load(), 0);
+
+  // One more forward shares it: declined now.
+  ASSERT_EQ(stash_share(reg.get(), &ka, id), STASH_OK);
+  EXPECT_EQ(Stats(reg.get()).declined, 4u);
+  // Takes while others share it retain the stand-in; the last one gets the registry's.
+  Taken t1 = Take(reg.get(), ka);
+  ASSERT_EQ(t1.status, STASH_OK);
+  EXPECT_EQ(t1.entry.payload, &d.stand_ins[0]);
+  EXPECT_EQ(t1.declined, 1);
+  EXPECT_EQ(d.stand_ins[0].retains.load(), 1);
+  ASSERT_EQ(stash_release_id(reg.get(), id), STASH_OK);
+  Taken t2 = Take(reg.get(), ka, id);
+  ASSERT_EQ(t2.status, STASH_OK);
+  EXPECT_EQ(t2.entry.payload, &d.stand_ins[0]);
+  EXPECT_EQ(d.stand_ins[0].retains.load(), 2);
+  Taken t3 = Take(reg.get(), ka);
+  ASSERT_EQ(t3.status, STASH_OK);
+  EXPECT_EQ(t3.entry.payload, &d.stand_ins[0]);
+  EXPECT_EQ(t3.declined, 1);
+  EXPECT_EQ(d.stand_ins[0].retains.load(), 2);
+  EXPECT_EQ(Take(reg.get(), ka).status, STASH_ERR_MISSING);
+
+  s = Stats(reg.get());
+  EXPECT_EQ(s.replays, 0u);
+  EXPECT_EQ(s.released_unused, 1u);
+  EXPECT_EQ(s.keeps + s.declined, s.replays + 3u /* declined takes */ + s.released_unused + LiveRefs(reg.get()));
+  reg.Destroy();
+  EXPECT_EQ(d.originals[0].releases.load(), 1);
+  EXPECT_EQ(d.stand_ins[0].releases.load(), 0);  // all three references were handed out
+  EXPECT_EQ(d.Demotes(0), 1);
+  EXPECT_EQ(b.releases.load(), 1);
+}
+
+TEST(StashRegistryDemotion, EveryPayloadIsReleasedExactlyOnceStandInsIncludedAndNoneThatWasHandedOut) {
+  // Six demotable records, all demoted by one keep, then dropped every way there is.
+  const size_t n = 6;
+  Demotables d(std::vector<size_t>(n, 10));
+  Payload big;
+  std::vector<stash_key> keys;
+  std::vector<uint64_t> ids;
+  {
+    Registry reg;
+    big.bytes = 60;
+    for (size_t i = 0; i < n; ++i) {
+      keys.push_back(MakeKey(0xe600 + 0x40 * (i % 2), int64_t(i), {}, 0));
+      ids.push_back(Keep(reg.get(), keys[i], d.Entry(i)));
+    }
+    ASSERT_EQ(stash_share(reg.get(), &keys[3], ids[3]), STASH_OK);
+    ASSERT_EQ(stash_set_max_bytes(reg.get(), 60), STASH_OK);
+    Keep(reg.get(), MakeKey(0xe700, 0, {}, 0), EntryFor(big));
+    EXPECT_EQ(d.SortedLog(), std::vector<int>({0, 1, 2, 3, 4, 5}));
+    for (size_t i = 0; i < n; ++i) {
+      EXPECT_EQ(d.originals[i].releases.load(), 1) << i;
+      EXPECT_EQ(d.stand_ins[i].releases.load(), 0) << i;
+    }
+    ASSERT_EQ(Take(reg.get(), keys[0]).status, STASH_OK);     // 0: handed out
+    ASSERT_EQ(stash_release_id(reg.get(), ids[1]), STASH_OK);  // 1: by id
+    EXPECT_EQ(d.stand_ins[1].releases.load(), 1);
+    auto version2 = [](const stash_record *r, void *) { return int(r->key->version == 2); };
+    size_t released = 0;
+    ASSERT_EQ(stash_release_if(reg.get(), version2, nullptr, &released), STASH_OK);  // 2
+    EXPECT_EQ(released, 1u);
+    EXPECT_EQ(d.stand_ins[2].releases.load(), 1);
+    ASSERT_EQ(Take(reg.get(), keys[3]).status, STASH_OK);  // 3: one forward takes (retained)...
+    ASSERT_EQ(stash_release_id(reg.get(), ids[3]), STASH_OK);  // ...the other is dropped
+    EXPECT_EQ(d.stand_ins[3].retains.load(), 1);
+    EXPECT_EQ(d.stand_ins[3].releases.load(), 1);
+    auto anchor0 = [](const stash_record *r, void *) { return int(r->key->anchor == 0xe600 && r->declined); };
+    ASSERT_EQ(stash_release_if(reg.get(), anchor0, nullptr, &released), STASH_OK);  // 4
+    EXPECT_EQ(released, 1u);
+    stash_stats s = Stats(reg.get());
+    EXPECT_EQ(s.entries, 2u);  // 5 and big, for destroy
+    EXPECT_EQ(s.keeps, 1u);
+    EXPECT_EQ(s.declined, 7u);
+    EXPECT_EQ(s.released_unused, 4u);
+    EXPECT_EQ(s.replays, 0u);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(d.originals[i].releases.load(), 1) << i;
+    EXPECT_EQ(d.originals[i].retains.load(), 0) << i;
+    EXPECT_EQ(d.stand_ins[i].releases.load(), i == 0 ? 0 : 1) << i;
+    EXPECT_EQ(d.Demotes(i), 1) << i;
+  }
+  EXPECT_EQ(big.releases.load(), 1);
+}
+
+TEST(StashRegistryDemotion, ADemotedEntryWithoutAReleaseCallbackIsDemotedAllTheSame) {
+  Payload a, stand_in, b;
+  Registry reg;
+  a.bytes = b.bytes = 40;
+  stash_key ka = MakeKey(0xe780, 0, {}, 0);
+  stash_entry e = DemotableEntryFor(a, &stand_in);
+  e.release = nullptr;
+  uint64_t id = Keep(reg.get(), ka, e);
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 50), STASH_OK);
+  Keep(reg.get(), MakeKey(0xe780, 0, {}, 1), EntryFor(b));
+  EXPECT_EQ(Peek(reg.get(), ka), (Held{&stand_in, 0, id, 1, true}));
+  EXPECT_EQ(a.demotes.load(), 1);
+  reg.Destroy();
+  EXPECT_EQ(a.releases.load() + stand_in.releases.load(), 0);
+  EXPECT_EQ(b.releases.load(), 1);
+}
+
+TEST(StashRegistryDemotion, KeepThatDemotingEveryRecordCouldNotMakeRoomForChangesNothing) {
+  Demotables d({20, 30, 25});
+  Payload big, held, too_big, fits;
+  Registry reg;
+  held.bytes = 50;
+  big.bytes = 51;
+  too_big.bytes = 101;
+  fits.bytes = 40;
+  std::vector<stash_key> keys = {MakeKey(0xe800, 0, {}, 0), MakeKey(0xe800, 0, {}, 1), MakeKey(0xe840, 0, {}, 0)};
+  uint64_t id0 = Keep(reg.get(), keys[0], d.Entry(0));
+  Keep(reg.get(), MakeKey(0xe880, 0, {}, 0), EntryFor(held));  // not demotable
+  Decline(reg.get(), MakeKey(0xe880, 0, {}, 1), d.Entry(2));   // declined: nothing to free
+  uint64_t id1 = Keep(reg.get(), keys[1], d.Entry(1));
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 100), STASH_OK);
+  const stash_stats before = Stats(reg.get());
+  const auto contents = Contents(reg.get());
+  ASSERT_EQ(before.bytes, 100u);
+
+  // 101 bytes pass the budget by themselves, whatever is demoted (50 bytes could be).
+  stash_key kbig = MakeKey(0xe8c0, 0, {}, 0);
+  EXPECT_EQ(stash_keep(reg.get(), &kbig, EntryFor(too_big), nullptr), STASH_ERR_BUDGET);
+  EXPECT_EQ(Stats(reg.get()), before);
+  EXPECT_EQ(Contents(reg.get()), contents);
+  // With the 30-byte record taken, 70 are held, 20 of them demotable: 51 more need 21.
+  ASSERT_EQ(Take(reg.get(), keys[1], id1).status, STASH_OK);
+  const stash_stats before2 = Stats(reg.get());
+  const auto contents2 = Contents(reg.get());
+  EXPECT_EQ(stash_keep(reg.get(), &kbig, EntryFor(big), nullptr), STASH_ERR_BUDGET);
+  EXPECT_EQ(Stats(reg.get()), before2);
+  EXPECT_EQ(Contents(reg.get()), contents2);
+  EXPECT_EQ(Peek(reg.get(), keys[0]), d.Kept(0, id0));
+  // Nothing was released, retained or stored: a stand-in made in vain (if any) is
+  // released, each exactly once.
+  for (Payload *p : {&big, &too_big, &held}) EXPECT_EQ(p->releases.load() + p->retains.load(), 0);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(d.originals[i].releases.load(), 0) << i;
+    EXPECT_EQ(d.stand_ins[i].releases.load(), d.Demotes(i)) << i;
+    EXPECT_EQ(d.stand_ins[i].retains.load(), 0) << i;
+  }
+
+  // 40 more need 10: the 20-byte record makes room.
+  const int vain = d.stand_ins[0].releases.load();
+  Keep(reg.get(), kbig, EntryFor(fits));
+  EXPECT_EQ(Peek(reg.get(), keys[0]), d.Demoted(0, id0));
+  EXPECT_EQ(d.originals[0].releases.load(), 1);
+  EXPECT_EQ(d.stand_ins[0].releases.load(), vain);
+}
+
+TEST(StashRegistryDemotion, ADemoteCallbackFailingPartWayChangesNothingAndReleasesTheStandInsMadeInVain) {
+  // Four records of 10 at a full budget of 40; 35 more need all four. Record 1 (and, in
+  // the second round, record 0) cannot make a stand-in.
+  const size_t n = 4;
+  Demotables d(std::vector<size_t>(n, 10));
+  std::deque<Payload> second(n);  // fresh stand-ins for the keep that succeeds
+  Payload big;
+  Registry reg;
+  big.bytes = 35;
+  std::vector<stash_key> keys;
+  std::vector<uint64_t> ids;
+  for (size_t i = 0; i < n; ++i) {
+    keys.push_back(MakeKey(0xea00 + 0x40 * (i % 2), 0, {int64_t(i)}, int64_t(i)));
+    ids.push_back(Keep(reg.get(), keys[i], d.Entry(i)));
+  }
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 40), STASH_OK);
+  const stash_stats before = Stats(reg.get());
+  const auto contents = Contents(reg.get());
+  stash_key kbig = MakeKey(0xeb00, 0, {}, 0);
+
+  for (size_t failing : {size_t(1), size_t(0), size_t(3)}) {
+    SCOPED_TRACE("failing " + std::to_string(failing));
+    std::vector<int> demotes_before, releases_before;
+    for (size_t i = 0; i < n; ++i) {
+      demotes_before.push_back(d.Demotes(i));
+      releases_before.push_back(d.stand_ins[i].releases.load());
+    }
+    d.originals[failing].stand_in = nullptr;
+    EXPECT_EQ(stash_keep(reg.get(), &kbig, EntryFor(big), nullptr), STASH_ERR_BUDGET);
+    d.originals[failing].stand_in = &d.stand_ins[failing];
+    EXPECT_EQ(Stats(reg.get()), before);
+    EXPECT_EQ(Contents(reg.get()), contents);
+    EXPECT_EQ(d.Demotes(failing) - demotes_before[failing], 1);  // it had to be asked
+    int made = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (i == failing) continue;
+      int calls = d.Demotes(i) - demotes_before[i];
+      EXPECT_LE(calls, 1) << i;
+      made += calls;
+      // Each stand-in made in vain is released exactly once, and nothing else is.
+      EXPECT_EQ(d.stand_ins[i].releases.load() - releases_before[i], calls) << i;
+      EXPECT_EQ(d.originals[i].releases.load(), 0) << i;
+    }
+    // Asked oldest first or youngest first, a stand-in is made before one in the middle fails.
+    if (failing == 1) {
+      EXPECT_GE(made, 1);
+    }
+    EXPECT_EQ(big.releases.load() + big.retains.load(), 0);
+  }
+
+  // With stand-ins for all, the same keep succeeds and demotes all four.
+  for (size_t i = 0; i < n; ++i) d.originals[i].stand_in = &second[i];
+  Keep(reg.get(), kbig, EntryFor(big));
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(Peek(reg.get(), keys[i]), (Held{&second[i], 0, ids[i], 1, true})) << i;
+    EXPECT_EQ(d.originals[i].releases.load(), 1) << i;
+  }
+  reg.Destroy();
+  for (size_t i = 0; i < n; ++i) {
+    EXPECT_EQ(second[i].releases.load(), 1) << i;
+    EXPECT_EQ(d.stand_ins[i].retains.load(), 0) << i;
+  }
+}
+
+TEST(StashRegistryDemotion, ErrorsDeclinesAndSharesDemoteNothing) {
+  Demotables d({50, 50});
+  Payload p, bad;
+  Registry reg;
+  p.bytes = 60;
+  bad.bytes = 60;
+  stash_key k0 = MakeKey(0xec00, 0, {}, 0), k1 = MakeKey(0xec00, 0, {}, 1);
+  uint64_t id0 = Keep(reg.get(), k0, d.Entry(0));
+  Keep(reg.get(), k1, d.Entry(1));
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 100), STASH_OK);
+  const stash_stats before = Stats(reg.get());
+
+  // A duplicate or a malformed key over the budget: an error, and nothing demoted.
+  EXPECT_EQ(stash_keep(reg.get(), &k1, EntryFor(bad), nullptr), STASH_ERR_DUPLICATE);
+  stash_key bad_rank = MakeKey(0xec40, 0, {}, 0);
+  bad_rank.rank = STASH_MAX_RANK + 1;
+  EXPECT_EQ(stash_keep(reg.get(), &bad_rank, EntryFor(bad), nullptr), STASH_ERR_RANK);
+  EXPECT_EQ(stash_keep(reg.get(), nullptr, EntryFor(bad), nullptr), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(Stats(reg.get()), before);
+  // A share holds no new bytes; a decline is never refused and holds none either.
+  ASSERT_EQ(stash_share(reg.get(), &k0, id0), STASH_OK);
+  Decline(reg.get(), MakeKey(0xec40, 0, {}, 1), EntryFor(p));
+  EXPECT_TRUE(d.log.empty());
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.bytes, 100u);
+  EXPECT_EQ(s.keeps, 3u);
+  EXPECT_EQ(s.declined, 1u);
+  EXPECT_EQ(bad.releases.load() + bad.retains.load(), 0);
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(d.stand_ins[i].releases.load() + d.originals[i].releases.load(), 0);
+}
+
+TEST(StashRegistryDemotion, DemotionMakesRoomUnderALoweredBudget) {
+  // The budget lowered below what is held: a keep demotes the oldest records until what
+  // is held, the new entry included, fits again.
+  Demotables d({100, 30});
+  Payload small;
+  Registry reg;
+  small.bytes = 1;
+  stash_key k0 = MakeKey(0xed00, 0, {}, 0), k1 = MakeKey(0xed00, 0, {}, 1);
+  uint64_t id0 = Keep(reg.get(), k0, d.Entry(0));
+  uint64_t id1 = Keep(reg.get(), k1, d.Entry(1));
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 50), STASH_OK);
+  EXPECT_TRUE(d.log.empty());  // lowering the budget demotes nothing by itself
+  Keep(reg.get(), MakeKey(0xed00, 0, {}, 2), EntryFor(small));  // needs 81: the 100-byte record
+  EXPECT_EQ(d.log, std::vector<int>({0}));
+  EXPECT_EQ(Peek(reg.get(), k0), d.Demoted(0, id0));
+  EXPECT_EQ(Peek(reg.get(), k1), d.Kept(1, id1));
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.bytes, 31u);
+  EXPECT_EQ(s.peak_bytes, 130u);  // from before the budget was lowered
+}
+
+// Payloads whose release callback re-enters the registry: it would deadlock if the
+// registry released a demoted payload, or a stand-in made in vain, under its lock.
+struct ReentrantDemotable {
+  stash_registry *registry = nullptr;
+  ReentrantDemotable *stand_in = nullptr;  // nullptr: the demote callback fails
+  int demotes = 0;
+  int releases = 0;
+  stash_status status = STASH_ERR_MISSING;
+  stash_stats seen{};  // the stats the release callback read
+};
+void *ReentrantDemote(void *payload) {
+  auto *r = static_cast<ReentrantDemotable *>(payload);
+  r->demotes++;
+  return r->stand_in;
+}
+void ReentrantDemotableRelease(void *payload) {
+  auto *r = static_cast<ReentrantDemotable *>(payload);
+  r->releases++;
+  r->status = stash_get_stats(r->registry, &r->seen);
+  auto none = [](const stash_record *, void *) { return 0; };
+  stash_release_if(r->registry, none, nullptr, nullptr);
+}
+
+TEST(StashRegistryDemotion, DemotedPayloadsAndStandInsMadeInVainAreReleasedAfterUnlocking) {
+  ReentrantDemotable a, sa, c, sc, dd, c2, sc2;
+  Payload b, e;
+  Registry reg;
+  for (ReentrantDemotable *r : {&a, &sa, &c, &sc, &dd, &c2, &sc2}) r->registry = reg.get();
+  a.stand_in = &sa;
+  c.stand_in = &sc;
+  c2.stand_in = &sc2;
+  b.bytes = 60;
+  e.bytes = 60;
+  auto entry = [](ReentrantDemotable &r, size_t bytes) {
+    return stash_entry{&r, bytes, nullptr, ReentrantDemotableRelease, ReentrantDemote};
+  };
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 100), STASH_OK);
+  Keep(reg.get(), MakeKey(0xee00, 0, {}, 0), entry(a, 60));
+  Keep(reg.get(), MakeKey(0xee00, 0, {}, 1), EntryFor(b));
+
+  // The old payload's release ran once the keep was done, the lock dropped.
+  EXPECT_EQ(a.releases, 1);
+  EXPECT_EQ(a.status, STASH_OK);
+  EXPECT_EQ(a.seen.entries, 2u);
+  EXPECT_EQ(a.seen.bytes, 60u);
+  EXPECT_EQ(a.seen.keeps, 1u);
+  EXPECT_EQ(a.seen.declined, 1u);
+  EXPECT_EQ(sa.releases, 0);
+
+  // c and c2 can be demoted, dd (between them) cannot: the keep fails, and the stand-ins
+  // made in vain are released after unlocking, seeing nothing changed.
+  ASSERT_EQ(stash_set_max_bytes(reg.get(), 120), STASH_OK);
+  Keep(reg.get(), MakeKey(0xee00, 0, {}, 2), entry(c, 20));
+  Keep(reg.get(), MakeKey(0xee00, 0, {}, 3), entry(dd, 20));
+  Keep(reg.get(), MakeKey(0xee00, 0, {}, 4), entry(c2, 20));
+  const stash_stats before = Stats(reg.get());
+  ASSERT_EQ(before.bytes, 120u);
+  stash_key ke = MakeKey(0xee00, 0, {}, 5);
+  EXPECT_EQ(stash_keep(reg.get(), &ke, EntryFor(e), nullptr), STASH_ERR_BUDGET);  // needs all three
+  EXPECT_EQ(Stats(reg.get()), before);
+  EXPECT_EQ(dd.demotes, 1);
+  EXPECT_GE(c.demotes + c2.demotes, 1);
+  EXPECT_EQ(c.releases + dd.releases + c2.releases, 0);
+  for (ReentrantDemotable *s : {&sc, &sc2}) {
+    const int made = s == &sc ? c.demotes : c2.demotes;
+    EXPECT_EQ(s->releases, made);
+    if (made != 0) {
+      EXPECT_EQ(s->status, STASH_OK);
+      EXPECT_EQ(s->seen, before);
+    }
+  }
+  const int vain = sc.releases + sc2.releases;
+  reg.Destroy();
+  // Destroy releases a's stand-in, c, dd and c2.
+  EXPECT_EQ(a.releases, 1);
+  EXPECT_EQ(sa.releases, 1);
+  EXPECT_EQ(c.releases + dd.releases + c2.releases, 3);
+  EXPECT_EQ(sc.releases + sc2.releases, vain);
+}
+
 // --- releasing ---------------------------------------------------------------
 
 TEST(StashRegistry, ReleaseIfOnAnAnchorReleasesEveryVersionSlotAndShapeOfThatAnchorOnly) {
@@ -1411,15 +2057,20 @@ TEST(StashRegistry, ReleaseIfAfterGrowthReleasesOnlyThatAnchor) {
 // --- a random run against a reference model --------------------------------------
 
 // Each payload of the random runs counts its references: one made by the test
-// (handed to the registry by a keep), one per retain; each release, and each drop
-// by the test of a reference it took or failed to store, removes one. The
-// registry's callbacks are also logged, to be checked after every step.
+// (handed to the registry by a keep) or by a demote callback (a stand-in, handed to
+// the registry), one per retain; each release, and each drop by the test of a
+// reference it took or failed to store, removes one. The registry's callbacks are
+// also logged, to be checked after every step.
+class ModelRun;
 struct ModelPayload {
   int index;
   int refs;
   std::vector<int> *retained;
   std::vector<int> *released;
+  ModelRun *run = nullptr;   // makes the stand-ins of demotable entries
+  bool fail_demote = false;  // the demote callback returns NULL (set for one keep)
 };
+void *ModelDemote(void *payload);
 void ModelRetain(void *payload) {
   auto *p = static_cast<ModelPayload *>(payload);
   p->refs++;
@@ -1442,9 +2093,19 @@ class ModelRun {
     int replays = 0, shared_takes = 0, wrong_id_misses = 0, misses = 0;
     int partial_release_ids = 0, last_release_ids = 0, missing_release_ids = 0;
     int shared_records_released_if = 0, budget_changes = 0;
+    // With demotion: keeps that demoted, records demoted (shared ones among them), keeps
+    // refused as demoting everything possible could not make room, keeps refused as a
+    // demote callback failed (stand-ins made in vain), takes and drops of stand-ins.
+    int demoting_keeps = 0, demoted_records = 0, shared_demoted = 0, multi_demotions = 0;
+    int no_room = 0, failed_demotes = 0, stand_ins_made_in_vain = 0;
+    int stand_in_takes = 0, stand_ins_dropped = 0;
   };
 
-  explicit ModelRun(uint64_t seed) : rng_(seed) { EXPECT_EQ(stash_registry_create(&reg_), STASH_OK); }
+  // With `demotion`, two thirds of the entries are demotable (the other runs keep the
+  // previous contract's entries, whose demote is NULL, and their random sequence).
+  explicit ModelRun(uint64_t seed, bool demotion = false) : rng_(seed), demotion_(demotion) {
+    EXPECT_EQ(stash_registry_create(&reg_), STASH_OK);
+  }
   ~ModelRun() { Destroy(); }
   ModelRun(const ModelRun &) = delete;
   ModelRun &operator=(const ModelRun &) = delete;
@@ -1454,6 +2115,16 @@ class ModelRun {
   uint64_t declined_takes() const { return declined_takes_; }
 
   void Step();
+
+  // The demote callback of payload `p`: a new payload, the stand-in, with one reference
+  // for the registry (or NULL when the test made it fail). Runs under the registry's lock.
+  void *StandInFor(ModelPayload &p) {
+    demote_calls_.push_back(p.index);
+    if (p.fail_demote) return nullptr;
+    payloads_.push_back(ModelPayload{int(payloads_.size()), 1, &retained_, &released_, this});
+    made_.emplace_back(p.index, payloads_.back().index);
+    return &payloads_.back();
+  }
 
   // Destroys the registry, which must release exactly what the model holds; every
   // reference ever made is then gone.
@@ -1474,6 +2145,8 @@ class ModelRun {
     uint32_t refs;
     bool declined;
     bool retain;
+    bool demotable;
+    bool stand_in;  // demoted: payload is the stand-in
   };
 
   void Destroy() {
@@ -1521,18 +2194,28 @@ class ModelRun {
   std::mt19937_64 rng_;
   std::deque<ModelPayload> payloads_;
   std::vector<int> retained_, released_;
+  std::vector<int> demote_calls_;              // this step: the payloads demote was called for
+  std::vector<std::pair<int, int>> made_;      // this step: (payload, its stand-in)
   std::multiset<int> want_retained_, want_released_;
   std::map<CanonKey, Rec> model_;
   stash_stats expect_ = FreshStats();
   uint64_t last_id_ = 0;
   uint64_t declined_takes_ = 0;
   Coverage coverage_;
+  bool demotion_ = false;
   stash_registry *reg_ = nullptr;
 };
+
+void *ModelDemote(void *payload) {
+  auto *p = static_cast<ModelPayload *>(payload);
+  return p->run->StandInFor(*p);
+}
 
 void ModelRun::Step() {
   retained_.clear();
   released_.clear();
+  demote_calls_.clear();
+  made_.clear();
   want_retained_.clear();
   want_released_.clear();
   int op = Pick(1000);
@@ -1576,29 +2259,102 @@ void ModelRun::Step() {
 
 void ModelRun::StoreOp(bool decline) {
   stash_key k = RandomKey();
-  payloads_.push_back(ModelPayload{int(payloads_.size()), 1, &retained_, &released_});
+  payloads_.push_back(ModelPayload{int(payloads_.size()), 1, &retained_, &released_, this});
   ModelPayload &p = payloads_.back();
   uint64_t bytes = uint64_t(Pick(1000));
   bool retain = Pick(4) != 0;
-  stash_entry e{&p, bytes, retain ? ModelRetain : nullptr, ModelRelease};
+  bool demotable = demotion_ && Pick(3) != 0;
+  stash_entry e{&p, bytes, retain ? ModelRetain : nullptr, ModelRelease, demotable ? ModelDemote : nullptr};
+
+  // A keep over the budget demotes the oldest kept demotable records (by id), as many as
+  // it takes to make room, or none at all if they all could not. The sums stay far below
+  // 2^64 here: the overflow is pinned by its own test.
+  const bool duplicate = model_.count(Canon(k)) != 0;
+  using It = std::map<CanonKey, Rec>::iterator;
+  std::map<uint64_t, It> candidates;  // by id
+  for (auto it = model_.begin(); it != model_.end(); ++it) {
+    if (!it->second.declined && it->second.demotable) candidates.emplace(it->second.id, it);
+  }
+  std::vector<It> victims;
+  bool room = true, needs_room = false;
+  if (!decline && !duplicate && expect_.bytes + bytes > expect_.max_bytes) {
+    needs_room = true;
+    room = false;
+    if (bytes <= expect_.max_bytes) {
+      const uint64_t need = expect_.bytes + bytes - expect_.max_bytes;
+      uint64_t freed = 0;
+      for (auto &kv : candidates) {
+        if (freed >= need) break;
+        victims.push_back(kv.second);
+        freed += kv.second->second.bytes;
+      }
+      room = freed >= need;
+    }
+  }
+  // Now and then one victim cannot be demoted (out of memory): the keep fails as a whole.
+  ModelPayload *failing = nullptr;
+  if (room && !victims.empty() && Pick(6) == 0) {
+    failing = &payloads_[size_t(victims[size_t(Pick(int(victims.size())))]->second.payload)];
+    failing->fail_demote = true;
+  }
   uint64_t id = 0;
   stash_status st = decline ? stash_decline(reg_, &k, e, &id) : stash_keep(reg_, &k, e, &id);
+  if (failing != nullptr) failing->fail_demote = false;
 
-  // The sums stay far below 2^64 here: the overflow is pinned by its own test.
-  stash_status want = model_.count(Canon(k))                                    ? STASH_ERR_DUPLICATE
-                      : !decline && expect_.bytes + bytes > expect_.max_bytes ? STASH_ERR_BUDGET
-                                                                                 : STASH_OK;
+  stash_status want = duplicate ? STASH_ERR_DUPLICATE : !room || failing ? STASH_ERR_BUDGET : STASH_OK;
   ASSERT_EQ(st, want);
+  // Each demote callback runs at most once, and only for a record that could be demoted.
+  std::set<int> calls(demote_calls_.begin(), demote_calls_.end());
+  ASSERT_EQ(calls.size(), demote_calls_.size()) << "a record was asked for two stand-ins";
+  std::set<int> candidate_payloads;
+  for (auto &kv : candidates) candidate_payloads.insert(kv.second->second.payload);
+  for (int c : calls) ASSERT_EQ(candidate_payloads.count(c), 1u) << "demote called for payload " << c;
+  ASSERT_EQ(made_.size() + (failing != nullptr && calls.count(failing->index) ? 1 : 0), calls.size());
+
   if (st != STASH_OK) {
     coverage_.duplicates += st == STASH_ERR_DUPLICATE;
     coverage_.over_budget += st == STASH_ERR_BUDGET;
+    if (failing != nullptr) {
+      ASSERT_EQ(calls.count(failing->index), 1u) << "the failing demote was never called";
+      coverage_.failed_demotes++;
+    } else if (needs_room && bytes <= expect_.max_bytes && !candidates.empty()) {
+      coverage_.no_room++;
+    }
+    // Nothing changed; the stand-ins made in vain are released (exactly once, checked
+    // after the step with every other callback).
+    for (auto &m : made_) want_released_.insert(m.second);
+    coverage_.stand_ins_made_in_vain += int(made_.size());
     p.refs--;  // the caller still owned it, and drops it
     return;
   }
+  // Demoted: exactly the victims, each now holding its stand-in; the registry released
+  // its reference to the old payload, and the record's forwards count as declined.
+  std::set<int> victim_payloads;
+  for (auto &v : victims) victim_payloads.insert(v->second.payload);
+  ASSERT_EQ(calls, victim_payloads);
+  for (auto &v : victims) {
+    Rec &rec = v->second;
+    auto made = std::find_if(made_.begin(), made_.end(),
+                             [&](const std::pair<int, int> &m) { return m.first == rec.payload; });
+    ASSERT_NE(made, made_.end());
+    want_released_.insert(rec.payload);
+    expect_.bytes -= rec.bytes;
+    expect_.keeps -= rec.refs;
+    expect_.declined += rec.refs;
+    rec.payload = made->second;
+    rec.bytes = 0;
+    rec.declined = true;
+    rec.stand_in = true;
+    coverage_.demoted_records++;
+    coverage_.shared_demoted += rec.refs > 1;
+  }
+  coverage_.demoting_keeps += !victims.empty();
+  coverage_.multi_demotions += victims.size() > 1;
+
   ASSERT_GT(id, last_id_);
   last_id_ = id;
   uint64_t held = decline ? 0 : bytes;
-  model_[Canon(k)] = Rec{p.index, held, id, 1, decline, retain};
+  model_[Canon(k)] = Rec{p.index, held, id, 1, decline, retain, demotable, false};
   expect_.entries++;
   expect_.bytes += held;
   if (expect_.bytes > expect_.peak_bytes) expect_.peak_bytes = expect_.bytes;
@@ -1665,8 +2421,10 @@ void ModelRun::TakeOp() {
   ASSERT_EQ(out.bytes, rec.bytes);
   ASSERT_EQ(out.retain, rec.retain ? &ModelRetain : nullptr);
   ASSERT_EQ(out.release, &ModelRelease);
+  ASSERT_EQ(out.demote, rec.demotable ? &ModelDemote : nullptr);
   ASSERT_EQ(got_id, rec.id);
   ASSERT_EQ(got_declined != 0, rec.declined);
+  coverage_.stand_in_takes += rec.stand_in;
   if (rec.declined) {
     declined_takes_++;
   } else {
@@ -1699,6 +2457,7 @@ void ModelRun::ReleaseIdOp() {
     coverage_.partial_release_ids++;
   } else {
     want_released_.insert(it->second.payload);
+    coverage_.stand_ins_dropped += it->second.stand_in;
     Unlink(it);
     coverage_.last_release_ids++;
   }
@@ -1728,6 +2487,7 @@ void ModelRun::ReleaseIfOp() {
       want_released_.insert(it->second.payload);
       expect_.released_unused += it->second.refs;
       coverage_.shared_records_released_if += it->second.refs > 1;
+      coverage_.stand_ins_dropped += it->second.stand_in;
       Unlink(it);
     }
     it = next;
@@ -1779,6 +2539,46 @@ TEST(StashRegistry, RandomOperationsMatchAReferenceModel) {
 
   // Destroy releases what the model still holds.
   run.CheckDestroy();
+}
+
+TEST(StashRegistryDemotion, RandomOperationsWithDemotableEntriesMatchAReferenceModel) {
+  ModelRun run(20240611, true);
+  for (int step = 0; step < 10000; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    ASSERT_NO_FATAL_FAILURE(run.Step());
+  }
+  // Demotion happened often, in every form.
+  const ModelRun::Coverage &c = run.coverage();
+  EXPECT_GT(c.keeps, 1400);
+  EXPECT_GT(c.replays, 400);
+  EXPECT_GT(c.over_budget, 400);
+  EXPECT_GT(c.demoting_keeps, 230);
+  EXPECT_GT(c.demoted_records, 380);
+  EXPECT_GT(c.multi_demotions, 80);
+  EXPECT_GT(c.shared_demoted, 40);
+  EXPECT_GT(c.no_room, 120);
+  EXPECT_GT(c.failed_demotes, 40);
+  EXPECT_GT(c.stand_ins_made_in_vain, 10);
+  EXPECT_GT(c.stand_in_takes, 90);
+  EXPECT_GT(c.stand_ins_dropped, 220);
+  // Destroy releases what the model still holds, stand-ins included.
+  run.CheckDestroy();
+}
+
+TEST(StashRegistryDemotion, EveryForwardIsReplayedTakenReleasedOrStillHeldThroughoutARandomRunWithDemotion) {
+  ModelRun run(11, true);
+  for (int step = 0; step < 10000; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    ASSERT_NO_FATAL_FAILURE(run.Step());
+    stash_stats s = Stats(run.registry());
+    ASSERT_EQ(s.keeps + s.declined,
+              s.replays + run.declined_takes() + s.released_unused + LiveRefs(run.registry()));
+  }
+  const ModelRun::Coverage &c = run.coverage();
+  EXPECT_GT(c.demoted_records, 330);
+  EXPECT_GT(c.shared_demoted, 30);
+  EXPECT_GT(c.stand_in_takes, 80);
+  EXPECT_GT(Stats(run.registry()).declined, 1000u);
 }
 
 TEST(StashRegistry, EveryForwardIsReplayedTakenReleasedOrStillHeldThroughoutARandomRun) {
@@ -2095,6 +2895,209 @@ TEST(StashRegistryConcurrency, BytesHeldNeverPassTheBudgetUnderConcurrentKeepsAn
     for (auto &p : w.payloads) releases += uint64_t(p.releases.load());
   }
   EXPECT_EQ(releases, s.entries);
+}
+
+TEST(StashRegistryConcurrency, BytesHeldNeverPassTheBudgetWhileConcurrentKeepsDemoteOlderRecords) {
+  stash_registry *reg = nullptr;
+  ASSERT_EQ(stash_registry_create(&reg), STASH_OK);
+  const uint64_t budget = 16000;
+  ASSERT_EQ(stash_set_max_bytes(reg, budget), STASH_OK);
+
+  const int workers = 6;
+  const int iterations = 4000;
+  // Records each worker holds at once: ~20 * 1700 bytes, over the budget even for one
+  // worker alone, so that demotion happens however the threads are scheduled.
+  const int window = 20;
+  const int left = 3;  // records each worker leaves for destroy
+  // Payload i of a worker: demotable unless i % 4 == 0 (those, held by all workers at once,
+  // fill about the budget on their own, so that some keeps are refused); its demote fails
+  // if i % 101 == 0; shared by a second forward if i % 5 == 0. Stand-ins have negative ids.
+  auto demotable = [](int i) { return i % 4 != 0; };
+  auto demote_fails = [](int i) { return i % 101 == 0; };
+  struct Worker {
+    std::deque<Payload> payloads, stand_ins;
+    std::vector<char> declined;  // refused by the budget, stored declined by the worker
+    std::vector<int> forwards;   // forwards that hold payload i's record
+    uint64_t keeps = 0, declines = 0, shares = 0, replays = 0, declined_takes = 0, stand_in_takes = 0;
+    uint64_t failures = 0;
+  };
+  std::vector<Worker> state(workers);
+  for (auto &w : state) {
+    w.payloads.resize(iterations);
+    w.stand_ins.resize(iterations);
+    w.declined.assign(iterations, 0);
+    w.forwards.assign(iterations, 0);
+  }
+  std::atomic<bool> stop{false}, go{false};
+  std::atomic<int> finished{0};
+
+  auto key = [](int t, int i) {
+    return MakeKey(0x300000 * uintptr_t(t + 1) + 0x40 * uintptr_t(i % 3), i, {t}, i % 2);
+  };
+  // Takes back every forward of worker t's record j, checking what comes back.
+  auto take_back = [&](int t, int j) {
+    Worker &w = state[size_t(t)];
+    stash_key kj = key(t, j);
+    for (int f = 0; f < w.forwards[size_t(j)]; ++f) {
+      stash_entry out{};
+      int declined = -1;
+      if (stash_take(reg, &kj, 0, &out, nullptr, &declined) != STASH_OK) {
+        w.failures++;
+        continue;
+      }
+      auto *got = static_cast<Payload *>(out.payload);
+      if (got == &w.payloads[size_t(j)]) {  // kept (and replayed), or declined by the worker
+        if ((declined != 0) != (w.declined[size_t(j)] != 0) || out.bytes != (declined ? 0 : got->bytes)) {
+          w.failures++;
+        }
+      } else if (got == &w.stand_ins[size_t(j)]) {  // demoted by some worker's keep
+        if (declined != 1 || out.bytes != 0 || w.declined[size_t(j)] || !demotable(j) || demote_fails(j)) {
+          w.failures++;
+        }
+        w.stand_in_takes++;
+      } else {
+        w.failures++;
+        continue;
+      }
+      got->takes.fetch_add(1);
+      (declined ? w.declined_takes : w.replays)++;
+    }
+  };
+
+  auto worker = [&](int t) {
+    Worker &w = state[size_t(t)];
+    std::mt19937 rng(unsigned(4242 + t));
+    while (!go.load()) std::this_thread::yield();  // all together, for contention
+    for (int i = 0; i < iterations; ++i) {
+      Payload &p = w.payloads[size_t(i)];
+      p.id = i;
+      w.stand_ins[size_t(i)].id = -1 - i;
+      p.bytes = 1 + rng() % (demotable(i) ? 2000 : 1200);
+      stash_entry e = demotable(i) ? DemotableEntryFor(p, demote_fails(i) ? nullptr : &w.stand_ins[size_t(i)])
+                                   : EntryFor(p);
+      stash_key k = key(t, i);
+      uint64_t id = 0;
+      stash_status st = stash_keep(reg, &k, e, &id);
+      if (st == STASH_OK) {
+        w.keeps++;
+      } else if (st == STASH_ERR_BUDGET) {
+        if (stash_decline(reg, &k, e, &id) != STASH_OK) w.failures++;
+        w.declined[size_t(i)] = 1;
+        w.declines++;
+      } else {
+        w.failures++;
+      }
+      w.forwards[size_t(i)] = 1;
+      if (i % 5 == 0) {  // kept or demoted by now, or declined: a share counts as the record is
+        if (stash_share(reg, &k, id) == STASH_OK) {
+          w.forwards[size_t(i)] = 2;
+          w.shares++;
+        } else {
+          w.failures++;
+        }
+      }
+      if (i >= window - 1) take_back(t, i - (window - 1));
+    }
+    // Once every worker is done keeping, take back all but the last `left` records (a
+    // worker's leftovers must not crowd out those that still run: they hold bytes).
+    finished.fetch_add(1);
+    while (finished.load() < workers) std::this_thread::yield();
+    for (int j = iterations - (window - 1); j < iterations - left; ++j) take_back(t, j);
+  };
+
+  // The checker reads the stats and the records held, each under one lock.
+  uint64_t checks = 0, check_failures = 0;
+  auto checker = [&]() {
+    while (!stop.load()) {
+      stash_stats s = Stats(reg);
+      if (s.bytes > budget || s.peak_bytes > budget || s.max_bytes != budget) check_failures++;
+      struct Seen {
+        uint64_t held = 0, bad = 0;
+      } seen;
+      stash_visit(
+          reg,
+          [](const stash_record *r, void *c) {
+            auto *seen = static_cast<Seen *>(c);
+            auto *p = static_cast<Payload *>(r->entry->payload);
+            seen->held += r->entry->bytes;
+            // A kept record holds its own payload, unreleased, and its bytes; a declined
+            // one (a stand-in among them) holds none.
+            if (r->declined ? r->entry->bytes != 0
+                            : p->id < 0 || r->entry->bytes != p->bytes || p->releases.load() != 0) {
+              seen->bad++;
+            }
+            if (p->id < 0 && !r->declined) seen->bad++;
+          },
+          &seen);
+      if (seen.held > budget || seen.bad != 0) check_failures++;
+      checks++;
+      std::this_thread::yield();
+    }
+  };
+
+  std::thread check(checker);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < workers; ++t) threads.emplace_back(worker, t);
+  go.store(true);
+  for (auto &th : threads) th.join();
+  stop.store(true);
+  check.join();
+
+  uint64_t keeps = 0, declines = 0, shares = 0, replays = 0, declined_takes = 0, stand_in_takes = 0, failures = 0;
+  for (auto &w : state) {
+    keeps += w.keeps;
+    declines += w.declines;
+    shares += w.shares;
+    replays += w.replays;
+    declined_takes += w.declined_takes;
+    stand_in_takes += w.stand_in_takes;
+    failures += w.failures;
+  }
+  EXPECT_EQ(failures, 0u);
+  EXPECT_EQ(check_failures, 0u);
+  EXPECT_GT(checks, 0u);
+  EXPECT_GT(keeps, 0u);
+  EXPECT_GT(declines, 0u);  // the budget really was contended, past what demotion could do
+  EXPECT_GT(stand_in_takes, 0u);
+
+  stash_stats s = Stats(reg);
+  EXPECT_LE(s.peak_bytes, budget);
+  EXPECT_GT(s.peak_bytes, budget / 2);
+  // Demotion moves forwards from keeps to declined, never adds or loses one.
+  EXPECT_EQ(s.keeps + s.declined, keeps + declines + shares);
+  EXPECT_GT(s.declined, declines);
+  EXPECT_EQ(s.replays, replays);
+  EXPECT_EQ(s.misses, 0u);
+  EXPECT_EQ(s.released_unused, 0u);
+  EXPECT_EQ(s.entries, uint64_t(workers * left));
+  EXPECT_EQ(s.keeps + s.declined, s.replays + declined_takes + s.released_unused + LiveRefs(reg));
+
+  // Before destroy only demotions released anything: the old payloads, and the stand-ins
+  // made in vain when a demote failed.
+  uint64_t demoted = 0;
+  for (auto &w : state) {
+    for (int i = 0; i < iterations; ++i) {
+      const Payload &p = w.payloads[size_t(i)];
+      demoted += uint64_t(p.releases.load());
+      if (p.releases.load() > (demotable(i) && !demote_fails(i) ? 1 : 0)) failures++;
+    }
+  }
+  EXPECT_GT(demoted, 0u);
+  stash_registry_destroy(reg);
+  // Every reference ends up taken or released exactly once: the registry's own (one per
+  // stored payload, one per stand-in made) and one per retain.
+  uint64_t bad = 0;
+  for (auto &w : state) {
+    for (int i = 0; i < iterations; ++i) {
+      const Payload &p = w.payloads[size_t(i)], &sp = w.stand_ins[size_t(i)];
+      const int made = demotable(i) && !demote_fails(i) ? p.demotes.load() : 0;
+      if (p.releases.load() + p.takes.load() != 1 + p.retains.load() || p.releases.load() > 1) bad++;
+      if (sp.releases.load() + sp.takes.load() != made + sp.retains.load()) bad++;
+      if (!demotable(i) && p.demotes.load() != 0) bad++;
+    }
+  }
+  EXPECT_EQ(bad, 0u);
+  EXPECT_EQ(failures, 0u);
 }
 
 // Release callbacks that re-enter the registry while other threads hammer it.
