@@ -133,13 +133,290 @@ def test_amp_shapes_keep_float32_weights():
         models.make_shape("demo", amp="fp16", dtype="bfloat16")
 
 
-def test_layer_mode_runs(tmp_path):
-    report = bench_main([*TINY, "--mode", "layer", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)])
-    written = json.loads((tmp_path / "layer.json").read_text())
+LAYER_CONFIGS = ["reentrant, no stash", "reentrant + stash", "non-reentrant, no stash", "non-reentrant + stash",
+                 "SAC (non-reentrant)"]
+
+
+@pytest.fixture(scope="module")
+def layer_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("layer")
+    report = bench_main([*TINY, "--mode", "layer", "--repeats", "1", "--warmup", "0", "--out", str(out)])
+    return report, out
+
+
+def test_layer_mode_runs(layer_run):
+    report, out = layer_run
+    written = json.loads((out / "layer.json").read_text())
     assert written["sdpa_backend"] == "FLASH_ATTENTION"
-    assert set(written["runs"]) == {"reentrant, no stash", "reentrant + stash", "attention forward"}
+    assert set(written["runs"]) == {*LAYER_CONFIGS, "attention forward"}
     assert report["grads_equal"] and report["replays_in_check_step"] >= 1
+    for key in ("saved_ms_per_layer", "attention_forward_ms", "efficiency", "grad_max_rel_diff", "rounds", "shape",
+                "environment", "configs", "modes", "stash_vs_sac", "grad_noise_floor", "checkpointing",
+                "predicted_kept_bytes_per_layer"):
+        assert key in written, key
+    assert list(written["configs"]) == LAYER_CONFIGS
+    assert set(written["modes"]) == {"reentrant", "non-reentrant", "SAC"}
+    for mode in ("reentrant", "non-reentrant"):
+        m = written["modes"][mode]
+        assert m["saved_ms_per_layer"] == pytest.approx(m["plain_ms"] - m["stash_ms"])
+        assert m["efficiency"] == pytest.approx(m["saved_ms_per_layer"] / written["attention_forward_ms"])
+    assert written["saved_ms_per_layer"] == written["modes"]["reentrant"]["saved_ms_per_layer"]
+    assert set(written["stash_vs_sac"]) == {"reentrant + stash", "non-reentrant + stash"}
+    for name, d in written["stash_vs_sac"].items():
+        assert d["ms"] == pytest.approx(written["configs"][name]["median_ms"]
+                                        - written["configs"]["SAC (non-reentrant)"]["median_ms"])
+        assert d["peak_bytes"] == d["stash_peak_bytes"] - d["sac_peak_bytes"]
     assert stash_is_uninstalled()
+
+
+def test_layer_mode_configurations_give_bitwise_equal_gradients(layer_run):
+    """Every configuration's check step against its plain counterpart (the stash and SAC against plain
+    checkpointing of the same mode): bitwise equal on CPU fp32; the stash keeps and replays exactly one
+    layer's output and log-sum-exp, the other configurations nothing."""
+    report, _ = layer_run
+    compared = {"reentrant + stash": "reentrant, no stash", "non-reentrant + stash": "non-reentrant, no stash",
+                "SAC (non-reentrant)": "non-reentrant, no stash"}
+    for name, config in report["configs"].items():
+        assert config["peak_bytes"] is None or config["peak_bytes"] > 0
+        assert config["held_after_step"] == {"entries": 0, "bytes": 0} and config["misses"] == 0
+        if name in compared:
+            assert config["compared_with"] == compared[name]
+            assert config["grads_equal"] and config["grad_max_rel_diff"] == 0.0, name
+        if name.endswith("+ stash"):
+            assert config["keeps"] == config["replays"] == 1 and config["kept_bytes"] == PER_LAYER
+        else:
+            assert config["keeps"] == config["replays"] == 0 and config["kept_bytes"] == 0
+    assert report["predicted_kept_bytes_per_layer"] == PER_LAYER
+    assert set(report["grad_noise_floor"]) == {"reentrant, no stash", "non-reentrant, no stash"}
+    assert all(f["grads_equal"] for f in report["grad_noise_floor"].values())
+
+
+def test_layer_mode_runs_one_checkpointing_mode(tmp_path):
+    report = bench_main([*TINY, "--mode", "layer", "--checkpointing", "reentrant", "--repeats", "1", "--warmup", "0",
+                         "--out", ""])
+    assert set(report["runs"]) == {"reentrant, no stash", "reentrant + stash", "attention forward"}
+    assert set(report["modes"]) == {"reentrant"} and report["stash_vs_sac"] == {}
+    assert report["grads_equal"] and report["replays_in_check_step"] == 1
+    report = bench_main([*TINY, "--mode", "layer", "--checkpointing", "non-reentrant", "--repeats", "1", "--warmup",
+                         "0", "--out", ""])
+    assert list(report["configs"]) == ["non-reentrant, no stash", "non-reentrant + stash", "SAC (non-reentrant)"]
+    assert report["saved_ms_per_layer"] == report["modes"]["non-reentrant"]["saved_ms_per_layer"]
+    assert report["grads_equal"] and report["replays_in_check_step"] == 1
+    assert stash_is_uninstalled()
+
+
+# ---- profile mode ---------------------------------------------------------------------------------
+
+PROFILE_KEYS = ("mode", "preset", "shape", "environment", "sdpa_backend", "checkpointing", "activities", "steps",
+                "warmup", "order", "attention_forward_alone", "configs", "comparisons")
+COMPARISONS = ("reentrant: stash vs plain", "non-reentrant: stash vs plain", "SAC vs non-reentrant plain",
+               "reentrant + stash vs SAC", "non-reentrant + stash vs SAC")
+ACCOUNTING_KEYS = ("base_span_ms", "other_span_ms", "span_diff_ms", "attention_forward_diff_ms", "grown_ms",
+                   "shrunk_ms", "attention_forward_diff_by_phase_ms", "kernel_sum_diff_ms", "overlap_diff_ms",
+                   "idle_diff_ms", "idle_diff_by_window_ms", "residual_ms", "removed_attention_forward_kernels")
+
+
+def test_profile_mode_writes_its_files_on_cpu(tmp_path):
+    """The CPU dry run of --mode profile: the same files as on a GPU, host figures filled, no kernels."""
+    report = bench_main([*TINY, "--mode", "profile", "--repeats", "2", "--warmup", "1", "--traces",
+                         "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "profile.json").read_text())
+    for key in PROFILE_KEYS:
+        assert key in written, key
+    assert written["activities"] == ["CPU"] and written["steps"] == 2 and written["warmup"] == 1
+    assert written["order"] == ["attention forward alone", *LAYER_CONFIGS]
+    for name in written["order"]:
+        config = written["configs"][name]
+        assert "error" not in config, config.get("error")
+        for key in ("steps", "ranges_found", "device", "host", "syncs", "allocator", "profiled_seconds"):
+            assert key in config, (name, key)
+        assert config["device"]["events"] == 0 and config["device"]["kernels"] == []  # CPU: no kernels
+        assert set(config["device"]["windows"]) == {"step", "forward", "backward", "recompute"}
+        assert config["syncs"]["count"] == 0 and config["host"]["range_ms"]["step"] > 0
+        if name == "attention forward alone":
+            continue
+        # Every profiled step has its ranges, the recompute included.
+        assert config["ranges_found"] == {"bench:step": 2, "bench:forward": 2, "bench:backward": 2,
+                                          "bench:recompute": 2}, name
+        stashed = name.endswith("+ stash")
+        assert config["stash"] == {"steps": 3, "keeps": 3 * stashed, "replays": 3 * stashed, "declined": 0,
+                                   "misses": 0}
+        ops = config["host"]["attnstash_ops"]
+        assert ("attnstash::sdpa_fwd_keep" in ops) == stashed, name
+        if stashed:
+            assert ops["attnstash::sdpa_fwd_keep"]["calls"] == 2  # one per step: the first forward and the recompute
+            assert 0 < config["host"]["attnstash_self_ms"] and 0 < config["host"]["attnstash_total_ms"]
+        for op in config["host"]["ops"]:
+            assert op["self_ms"] >= 0, (name, op)
+    assert set(written["comparisons"]) == set(COMPARISONS)
+    for label, comparison in written["comparisons"].items():
+        for key in ACCOUNTING_KEYS:
+            assert key in comparison["accounting"], (label, key)
+        assert comparison["accounting"]["residual_ms"] == pytest.approx(0.0, abs=1e-9)
+    # What the stash changes is visible on the host: the recompute no longer runs the attention forward.
+    for label in ("reentrant: stash vs plain", "non-reentrant: stash vs plain"):
+        rows = {(r["phase"], r["name"]): r for r in written["comparisons"][label]["host_ops"]}
+        attention = rows[("recompute", "aten::_scaled_dot_product_flash_attention_for_cpu")]
+        assert attention["base_calls"] == 1 and attention["other_calls"] == 0 and attention["change"] == "disappears"
+    markdown = (tmp_path / "profile.md").read_text()
+    for text in ("## Per configuration", "## attnstash ops (host)", "**Accounting.**", "CPU only", *LAYER_CONFIGS,
+                 *COMPARISONS):
+        assert text in markdown, text
+    import tarfile
+    with tarfile.open(tmp_path / "profile_traces.tar.gz") as tar:
+        names = tar.getnames()
+        assert len(names) == 6 and all(n.endswith(".json") for n in names)
+        assert "traceEvents" in json.load(tar.extractfile(names[0]))
+    assert report["comparisons"].keys() == written["comparisons"].keys()
+    assert stash_is_uninstalled()
+
+
+def _x(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def _gpu_trace(stash):
+    """A Chrome trace shaped like the CUDA profiler's, for one step: the forward launches a GEMM and
+    the attention forward; the backward (on the autograd thread, 2) recomputes (a GEMM and, without the
+    stash, the attention forward again, 100 us; with it, a 20 us copy inside an attnstash op, and the
+    later kernels run 80 us earlier), then the attention backward, a synchronisation and a cudaMalloc.
+    A memset has no launch event, only the External id of its op. Times in microseconds."""
+    ev = [_x("user_annotation", "bench:step", 0, 1000), _x("user_annotation", "bench:forward", 10, 290),
+          _x("user_annotation", "bench:backward", 300, 690),
+          _x("cpu_op", "aten::mm", 20, 20), _x("cuda_runtime", "cudaLaunchKernel", 25, 5, correlation=1),
+          _x("kernel", "gemm", 50, 100, tid=7, correlation=1),
+          _x("cpu_op", "aten::_scaled_dot_product_cudnn_attention", 60, 20),
+          _x("cuda_runtime", "cudaLaunchKernel", 65, 5, correlation=2),
+          _x("kernel", "cudnn_fprop", 150, 100, tid=7, correlation=2),
+          _x("user_annotation", "bench:recompute", 320, 180, tid=2),
+          _x("cpu_op", "aten::mm", 330, 10, tid=2),
+          _x("cuda_runtime", "cudaLaunchKernel", 332, 2, tid=2, correlation=3),
+          _x("kernel", "gemm", 400, 100, tid=7, correlation=3),
+          _x("cpu_op", "aten::_scaled_dot_product_cudnn_attention_backward", 600, 20, tid=2, **{"External id": 9}),
+          _x("cuda_runtime", "cudaLaunchKernel", 605, 5, tid=2, correlation=5),
+          _x("kernel", "cudnn_bprop", 540 if stash else 620, 200, tid=7, correlation=5),
+          _x("gpu_memset", "Memset (Device)", 750 if stash else 830, 10, tid=7, correlation=77, **{"External id": 9}),
+          _x("cuda_runtime", "cudaStreamSynchronize", 700, 10, tid=2),
+          _x("cuda_runtime", "cudaMalloc", 720, 10, tid=2),
+          {"ph": "s", "cat": "ac2g", "name": "flow", "id": 1, "ts": 25}]
+    if stash:
+        ev += [_x("cpu_op", "attnstash::sdpa_fwd_keep", 350, 30, tid=2), _x("cpu_op", "aten::copy_", 355, 10, tid=2),
+               _x("cuda_runtime", "cudaLaunchKernel", 357, 2, tid=2, correlation=4),
+               _x("kernel", "copy_kernel", 510, 20, tid=7, correlation=4)]
+    else:
+        ev += [_x("cpu_op", "aten::_scaled_dot_product_cudnn_attention", 350, 20, tid=2),
+               _x("cuda_runtime", "cudaLaunchKernel", 355, 5, tid=2, correlation=4),
+               _x("kernel", "cudnn_fprop", 510, 100, tid=7, correlation=4)]
+    return ev
+
+
+def test_profile_analysis_of_a_cuda_trace():
+    """The GPU half of --mode profile, which the CPU cannot run: kernels attributed to the range their
+    launch was made in and to the attention op around it, the windows' idle time, the synchronisations
+    and allocator calls, and an accounting that adds up."""
+    from attnstash.bench import profile, report as reporting
+    plain, stash = profile.analyse_trace(_gpu_trace(False), 1), profile.analyse_trace(_gpu_trace(True), 1)
+    rows = {(r["phase"], r["class"], r["name"]): r for r in plain["device"]["kernels"]}
+    assert rows[("forward", "attention forward", "cudnn_fprop")]["ms"] == pytest.approx(0.1)
+    assert rows[("recompute", "attention forward", "cudnn_fprop")]["op"] == "aten::_scaled_dot_product_cudnn_attention"
+    assert rows[("backward", "attention backward", "cudnn_bprop")]["ms"] == pytest.approx(0.2)
+    assert rows[("backward", "attention backward", "Memset (Device)")]["calls"] == 1  # via its External id
+    assert rows[("recompute", "other", "gemm")]["op"] == "aten::mm"
+    assert plain["device"]["without_launch_event"] == 1 and plain["device"]["without_host_origin"] == 0
+    w = plain["device"]["windows"]
+    # step: kernels 50-150, 150-250, 400-500, 510-610, 620-820, 830-840: span 790, busy 610
+    assert w["step"]["span_ms"] == pytest.approx(0.79) and w["step"]["busy_ms"] == pytest.approx(0.61)
+    assert w["step"]["idle_ms"] == pytest.approx(0.18) and w["step"]["overlap_ms"] == pytest.approx(0.0)
+    assert w["backward"]["span_ms"] == pytest.approx(0.44) and w["backward"]["idle_ms"] == pytest.approx(0.03)
+    assert w["recompute"]["span_ms"] == pytest.approx(0.21) and w["recompute"]["idle_ms"] == pytest.approx(0.01)
+    assert plain["device"]["lead_ms"] == pytest.approx(0.05)
+    # Kernels on two streams overlap: span = sum - overlap + idle.
+    assert profile.window([(0, 10), (5, 15), (20, 30)]) == {"span": 30, "busy": 25, "sum": 30, "overlap": 5,
+                                                             "idle": 5}
+    assert plain["syncs"]["count"] == 1 and plain["allocator"]["by_name"] == {"cudaMalloc": {"count": 1, "ms": 0.01}}
+    assert stash["device"]["ms_by_class"]["attnstash"] == pytest.approx(0.02)
+    assert stash["host"]["attnstash_ops"]["attnstash::sdpa_fwd_keep"]["self_ms"] == pytest.approx(0.02)
+
+    c = profile.compare(plain, stash)
+    a = c["accounting"]
+    assert a["span_diff_ms"] == pytest.approx(-0.08)  # 50-840 -> 50-760
+    assert a["attention_forward_diff_ms"] == pytest.approx(-0.1) and a["grown_ms"] == pytest.approx(0.02)
+    assert a["shrunk_ms"] == pytest.approx(0.0) and a["idle_diff_ms"] == pytest.approx(0.0)
+    assert a["attention_forward_diff_by_phase_ms"]["recompute"] == pytest.approx(-0.1)
+    assert a["attention_forward_diff_by_phase_ms"]["forward"] == 0.0
+    assert a["residual_ms"] == pytest.approx(0.0, abs=1e-12)
+    assert [r["name"] for r in a["removed_attention_forward_kernels"]] == ["cudnn_fprop"]
+    changes = {(r["phase"], r["name"]): r["change"] for r in c["kernels"]}
+    assert changes[("recompute", "cudnn_fprop")] == "disappears" and changes[("recompute", "copy_kernel")] == "appears"
+    assert changes[("forward", "cudnn_fprop")] == "same"
+
+    report = {"shape": dataclasses_shape(), "environment": {"torch": "x", "gpu": "a GPU", "cudnn": 1},
+              "activities": ["CPU", "CUDA"], "steps": 1, "warmup": 0, "sdpa_backend": "CUDNN_ATTENTION",
+              "attention_forward_alone": {"gpu_ms_per_call": 0.1, "host_ms_per_call": 0.02},
+              "order": ["plain", "stash"], "configs": {"plain": plain, "stash": stash},
+              "comparisons": {"stash vs plain": {"base": "plain", "other": "stash", **c}}}
+    markdown = reporting.profile_markdown(report)
+    assert "**-0.080 ms**" in markdown and "`cudnn_fprop`" in markdown and "disappears" in markdown
+    assert "`cudaStreamSynchronize`" in markdown and "`cudaMalloc`" in markdown
+
+
+def dataclasses_shape():
+    import dataclasses
+    return dataclasses.asdict(models.make_shape("qwen3-30b-a3b"))
+
+
+# ---- seq-sweep mode -------------------------------------------------------------------------------
+
+def test_seq_sweep_writes_its_files_on_cpu(tmp_path, monkeypatch):
+    """--mode seq-sweep at tiny lengths: per length layer mode's figures and the kept bytes (measured =
+    predicted); at least 5 rounds per length; a length that fails is recorded and the sweep goes on."""
+    from attnstash.bench import seq_sweep
+    real = seq_sweep.sweep_point
+
+    def failing_at_48(bench, shape, *args, **kwargs):
+        if shape.seq == 48:
+            raise RuntimeError("CUDA out of memory (pretend)")
+        return real(bench, shape, *args, **kwargs)
+
+    monkeypatch.setattr(seq_sweep, "sweep_point", failing_at_48)
+    report = bench_main([*TINY, "--mode", "seq-sweep", "--seqs", "64,32,48", "--sweep-seconds", "0.5",
+                         "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "seq_sweep.json").read_text())
+    assert (tmp_path / "seq_sweep.png").stat().st_size > 0
+    for key in ("mode", "preset", "shape", "environment", "checkpointing", "seqs", "batch", "batch_note",
+                "sweep_seconds", "points", "seconds"):
+        assert key in written, key
+    assert written["seqs"] == [32, 48, 64] and written["batch"] == B and f"held at {B}" in written["batch_note"]
+    failed = written["points"][1]
+    assert failed["seq"] == 48 and "out of memory" in failed["error"]
+    for point in (written["points"][0], written["points"][2]):
+        seq = point["seq"]
+        for key in ("tokens", "sdpa_backend", "rounds", "attention_forward_ms", "runs", "configs", "modes",
+                    "stash_vs_sac", "kept_bytes_measured", "kept_bytes_predicted", "round_seconds"):
+            assert key in point, key
+        assert point["batch"] == B and point["tokens"] == B * seq
+        assert point["rounds"]["repeats"] >= 5
+        assert all(len(run["times_ms"]) == point["rounds"]["repeats"] for run in point["runs"].values()
+                   if run is not point["runs"]["attention forward"])
+        per_layer = B * H * seq * D * 4 + B * H * seq * 4
+        assert point["kept_bytes_predicted"] == per_layer
+        assert point["kept_bytes_measured"] == {"reentrant": per_layer, "non-reentrant": per_layer}
+        assert set(point["modes"]) == {"reentrant", "non-reentrant", "SAC"}
+        for mode in ("reentrant", "non-reentrant"):
+            m = point["modes"][mode]
+            assert m["efficiency"] == pytest.approx(m["saved_ms_per_layer"] / point["attention_forward_ms"])
+    assert report["points"][0]["seq"] == 32
+    assert stash_is_uninstalled()
+
+
+def test_seq_sweep_rounds_and_lengths():
+    from attnstash.bench.seq_sweep import parse_seqs, rounds_for
+    assert parse_seqs(None) == [1024, 4096, 16384, 32768]
+    assert parse_seqs("4k, 1024,32k") == [1024, 4096, 32768]
+    with pytest.raises(ValueError):
+        parse_seqs("0")
+    assert rounds_for(2.2, 32.0) == 14 and rounds_for(0.1, 20.0) == 30 and rounds_for(3.0, 1.0) == 5
+    assert rounds_for(3.0, 1.0, fixed=2) == 2
 
 
 def test_soak_runs_both_checkpointing_modes_and_ends_with_an_empty_stash(tmp_path):
