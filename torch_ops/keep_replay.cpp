@@ -267,7 +267,9 @@ KeptForward keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t sl
                 "this attention (slot ", slot, ") in a forward whose recompute has not come yet, with a different "
                 "result (other position ids, another mask, other weights, or randomness): a recompute could not "
                 "tell the two forwards apart. Give each forward its own input tensor (e.g. inputs_embeds.clone()), "
-                "or run the first forward's backward before the second forward.");
+                "or run the first forward's backward before the second forward. If the earlier forward will never "
+                "get a backward (it ran under torch.no_grad(), or its graph is gone while you still hold its input, "
+                "the anchor), its record stays until that input is freed: attnstash.stash_clear() releases it.");
   }
   kept.id = stored.id;
   kept.declined = stored.declined;

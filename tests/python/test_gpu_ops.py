@@ -284,3 +284,38 @@ def test_hugging_face_fp32_model_under_cuda_autocast(dtype, use_reentrant):
     assert torch.equal(loss, normal)
     assert after["keeps"] - before["keeps"] == 2 and after["replays"] - before["replays"] == 2
     assert attnstash.stash_stats()["entries"] == 0
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_cuda_budget_keeps_the_last_layer_and_never_passes_its_bytes(use_reentrant):
+    """A budget that fits one of two layers on the GPU: the last layer keeps, the first is
+    declined (its recompute runs attention), the bytes held never pass the budget, and the
+    loss is bitwise the normal recompute's."""
+    from tiny_models import batch, clone, tiny_model
+    base = tiny_model("llama", layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    base = base.to("cuda", torch.bfloat16)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    ids = batch(batch_size=2, seq=128).cuda()
+
+    def step(model, max_bytes=None):
+        if max_bytes is not False:
+            attnstash.install_attention_stash(model, max_bytes=max_bytes)
+        try:
+            loss = model(input_ids=ids, labels=ids).loss
+            held = attnstash.layer_stash_stats(model) if max_bytes is not False else None
+            loss.backward()
+            stats = attnstash.stash_stats()
+        finally:
+            if max_bytes is not False:
+                attnstash.uninstall_attention_stash(model)
+            attnstash.stash_set_max_bytes(None)
+        return loss.detach(), held, stats
+
+    normal, _, _ = step(clone(base), max_bytes=False)
+    _, unlimited, _ = step(clone(base))
+    one = unlimited[1].bytes  # what one layer keeps
+    assert unlimited[0].bytes == one > 0
+    loss, held, stats = step(clone(base), max_bytes=one)
+    assert torch.equal(loss, normal)
+    assert held == {0: (1, 0, 1), 1: (1, one, 0)}
+    assert stats["peak_bytes"] <= one and stats["entries"] == 0
