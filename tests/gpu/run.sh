@@ -1,31 +1,77 @@
 #!/usr/bin/env bash
-# The GPU check, written to run blind on the GPU machine (no network; python3 there
-# has a CUDA torch). From the repository root:
+# The GPU check, written to run blind on the GPU machine (no network; its python3 has a
+# CUDA torch, transformers and peft). From the repository root:
 #
-#     bash tests/gpu/run.sh            # results under $OUT (the device tool) or out/gpu
+#     bash tests/gpu/run.sh                 # results under $OUT (the device tool) or out/gpu
+#     DEADLINE=300 bash tests/gpu/run.sh    # stop starting stages after 300 s
+#     STAGES="pytest-gpu profile" bash tests/gpu/run.sh   # only these (build always runs)
+#     DRY_RUN=1 bash tests/gpu/run.sh       # the plumbing on a CPU machine: tiny shapes, --device cpu
 #
-# It builds attnstash against that torch (CMake only: no pip, no GoogleTest), prints
-# the versions and the SDPA backend torch picks for the Qwen3-30B-A3B attention shape,
-# runs the GPU tests (every kept backend with and without masks), then the rest of the
-# pytest suite, then the benchmark in model and layer mode (JSON and PNG under $OUT).
-# About 6 minutes on an H200 after the machine starts. Each stage is
-# time-boxed and a failing stage does not stop the later ones; the exit status says
-# whether any failed.
+# Stages, most important first; each is time-boxed (its limit, and never past DEADLINE,
+# default 520 s), a failing stage does not stop the later ones, and the exit status says
+# whether any failed or was not run:
+#   build       attnstash/_C against that torch (CMake only: no pip, no GoogleTest)
+#   info        versions, and the SDPA backend torch picks at the Qwen3-30B-A3B attention shape
+#   pytest-gpu  every GPU test: each kept backend with and without masks, fully-masked rows,
+#               opcheck, Hugging Face steps under both checkpointing modes, CUDA autocast
+#               (bf16, fp16), the budget, the planner's prediction against the kept bytes
+#   profile     one decoder layer at the Qwen3-30B-A3B attention shape under torch.profiler,
+#               without and with the stash, both checkpointing modes and SAC (profile.md)
+#   layer       the same layer timed, interleaved rounds (layer.json)
+#   seq-sweep   sequence lengths 1k to 32k at that attention shape, batch 4 (seq_sweep.png)
+#   bench       a 4-layer model at that shape, one step per configuration (bench.png)
+#   pytest      the rest of the suite on this machine
+#
+# The device tool brings back at most 8 files from $OUT, so: summary.txt (one line per
+# stage), results.tar.gz (every log, JSON and PNG; refreshed after each stage), and the
+# small files read first: profile.md, layer.json, seq_sweep.png, bench.png.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/gpu}
 mkdir -p "$OUT"
+WORK=$(mktemp -d)
 PY=${PYTHON:-python3}
+case $PY in /*) ;; */*) PY=$PWD/$PY ;; *) PY=$(command -v "$PY") ;; esac  # CMake needs an absolute path
+DEADLINE=${DEADLINE:-520}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if [ "${DRY_RUN:-0}" = 1 ]; then
+  DEVICE=cpu PRESET=tiny SEQS=64,128 SWEEP_SECONDS=5 PYTEST_REST=(--co)
+else
+  DEVICE=cuda PRESET=qwen3-30b-a3b SEQS=1024,4096,16384,32768 SWEEP_SECONDS=60 PYTEST_REST=()
+fi
+echo "stage | exit | seconds" > "$OUT/summary.txt"
 failed=()
+
+collect() {  # the results so far into $OUT (the archive, and the files read first)
+  tar -czf "$OUT/results.tar.gz.tmp" -C "$WORK" . && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
+  for f in profile.md layer.json seq_sweep.png bench.png; do
+    [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/$f"
+  done
+  return 0
+}
+
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2; shift 2
+  if [ -n "${STAGES:-}" ] && [ "$name" != build ] && [[ " $STAGES " != *" $name "* ]]; then
+    return
+  fi
+  local left=$((DEADLINE - SECONDS))
+  if ((left < 20)); then
+    echo "=== $name: not run (${left}s left of DEADLINE=${DEADLINE}s)"
+    echo "$name | not run | 0" >> "$OUT/summary.txt"
+    failed+=("$name(not run)")
+    return
+  fi
+  ((limit > left)) && limit=$left
   echo "=== $name (limit ${limit}s)"
   local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
-  local rc=${PIPESTATUS[0]}
+  timeout -k 10 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?
+  tail -n 40 "$WORK/$name.log"
   echo "=== $name: exit $rc after $((SECONDS - t0))s"
+  echo "$name | $rc | $((SECONDS - t0))" >> "$OUT/summary.txt"
   ((rc == 0)) || failed+=("$name")
+  collect
 }
 
 # The GPU image's default compiler (/opt/gcc) puts pieces of its libstdc++ into the
@@ -35,30 +81,40 @@ compilers=()
 if [ -x /usr/bin/gcc ] && [ -x /usr/bin/g++ ]; then
   compilers=(-DCMAKE_C_COMPILER=/usr/bin/gcc -DCMAKE_CXX_COMPILER=/usr/bin/g++)
 fi
-stage build 240 bash -c "cmake -S . -B build/gpu -G Ninja -DPython_EXECUTABLE=$(command -v $PY) \
-  -DCMAKE_BUILD_TYPE=Release ${compilers[*]} >/dev/null && cmake --build build/gpu -j 16"
-stage info 60 $PY -m attnstash.info
-stage backend 60 $PY - <<'PY'
+generator=()
+command -v ninja > /dev/null && generator=(-G Ninja)
+stage build 240 bash -c "cmake -S . -B build/gpu ${generator[*]} -DPython_EXECUTABLE=$PY \
+  -DCMAKE_BUILD_TYPE=Release ${compilers[*]} && cmake --build build/gpu -j $(nproc)"
+
+stage info 90 bash -c "$PY -m attnstash.info && $PY -c '
 import torch
 from torch.nn.attention import SDPBackend
-q = torch.randn(4, 32, 4096, 128, device="cuda", dtype=torch.bfloat16)
-k = torch.randn(4, 4, 4096, 128, device="cuda", dtype=torch.bfloat16)
-for grad in (False, True):
-    qq, kk = q.requires_grad_(grad), k.requires_grad_(grad)
-    choice = torch._fused_sdp_choice(qq, kk, kk, None, 0.0, True, enable_gqa=True)
-    print(f"Qwen3-30B-A3B attention (bf16, B4 H32/4 S4096 D128, causal, GQA, requires_grad={grad}):",
-          SDPBackend(choice).name)
-PY
-# The GPU tests first, on their own (every kept backend, with and without masks), so that
-# they have run whatever happens later; then the rest of the suite on this machine.
-stage pytest-gpu 180 $PY -m pytest tests/python/test_gpu_ops.py -v -s -rs -p no:cacheprovider \
-  --junitxml="$OUT/pytest-gpu.xml"
-stage pytest 300 $PY -m pytest tests/python -q -rs -p no:cacheprovider --ignore=tests/python/test_gpu_ops.py \
-  --junitxml="$OUT/pytest.xml"
-# The Qwen3-30B-A3B attention shape: a 4-layer model (step time, memory, efficiency,
-# the SAC peer), then one decoder-layer recompute with and without the stash.
-stage bench 240 $PY -m attnstash.bench --preset qwen3-30b-a3b --device cuda --out "$OUT"
-stage bench-layer 120 $PY -m attnstash.bench --mode layer --preset qwen3-30b-a3b --device cuda --out "$OUT"
+dev = \"$DEVICE\"
+if dev == \"cuda\":
+    print(\"device:\", torch.cuda.get_device_name(), \"cuDNN\", torch.backends.cudnn.version(), \"CUDA\", torch.version.cuda)
+    q = torch.randn(4, 32, 4096, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(4, 4, 4096, 128, device=dev, dtype=torch.bfloat16)
+    for grad in (False, True):
+        qq, kk = q.requires_grad_(grad), k.requires_grad_(grad)
+        choice = torch._fused_sdp_choice(qq, kk, kk, None, 0.0, True, enable_gqa=True)
+        print(f\"Qwen3-30B-A3B attention (bf16, B4 H32/4 S4096 D128, causal, GQA, requires_grad={grad}):\",
+              SDPBackend(choice).name)
+'"
 
-echo "=== failed stages: ${failed[*]:-none}"
+# Every test that needs a GPU: test_gpu_ops.py, and the CUDA tests of the other modules.
+# (-k: every test of test_gpu_ops.py, whose module name matches, and test_plan.py's GPU ones.)
+stage pytest-gpu 200 $PY -m pytest tests/python/test_gpu_ops.py tests/python/test_plan.py -k "gpu or cuda" \
+  -v -rs -p no:cacheprovider --junitxml="$WORK/pytest-gpu.xml"
+
+BENCH=("$PY" -m attnstash.bench --preset "$PRESET" --device "$DEVICE" --out "$WORK")
+stage profile 150 "${BENCH[@]}" --mode profile
+stage layer 120 "${BENCH[@]}" --mode layer
+stage seq-sweep 240 "${BENCH[@]}" --mode seq-sweep --seqs "$SEQS" --sweep-seconds "$SWEEP_SECONDS"
+stage bench 200 "${BENCH[@]}"
+stage pytest 300 $PY -m pytest tests/python -q -rs -p no:cacheprovider --ignore=tests/python/test_gpu_ops.py \
+  --junitxml="$WORK/pytest.xml" "${PYTEST_REST[@]}"
+
+echo "=== failed stages: ${failed[*]:-none}" | tee -a "$OUT/summary.txt"
+collect
+rm -rf "$WORK"
 ((${#failed[@]} == 0))

@@ -191,14 +191,17 @@ def test_opcheck_on_cuda():
 
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
 @pytest.mark.parametrize("padded", [False, True])
-def test_hugging_face_training_step_on_cuda(backend, padded):
-    """A tiny Llama in bf16 with every layer stashed: the loss bitwise the normal
-    recompute's; each gradient bitwise where the normal runs are bitwise equal, else no
-    further from its nearest normal run than the normal runs are from each other."""
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_hugging_face_training_step_on_cuda(backend, padded, use_reentrant):
+    """A tiny Llama in bf16 with every layer stashed, under either checkpointing mode: the
+    loss bitwise the normal recompute's; each gradient bitwise where the normal runs are
+    bitwise equal, else no further from its nearest normal run than the normal runs are
+    from each other."""
     from tiny_models import batch, clone, tiny_model
     if padded and backend not in MASKED_BACKENDS:
         pytest.skip("flash attention takes no mask: PyTorch never picks it for padded batches")
     base = tiny_model("llama", layers=2, hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     base = base.to("cuda", torch.bfloat16)
     ids = batch(batch_size=2, seq=128).cuda()
     mask = torch.ones_like(ids)
@@ -214,10 +217,13 @@ def test_hugging_face_training_step_on_cuda(backend, padded):
     normal = [step(clone(base)) for _ in range(4)]
     model = clone(base)
     attnstash.install_attention_stash(model, 2)
+    before = attnstash.stash_stats()
     try:
         loss, grads = step(model)
     finally:
         attnstash.uninstall_attention_stash(model)
+    after = attnstash.stash_stats()
+    assert (after["keeps"] - before["keeps"], after["replays"] - before["replays"]) == (2, 2)  # not a no-op
     assert torch.equal(loss, normal[0][0])
     for i, g in enumerate(grads):
         runs = [n[1][i] for n in normal]
