@@ -25,6 +25,9 @@ class KeptBackend:
     backward(grad, query, key, value, attn_mask, output, logsumexp, extras, is_causal, scale)
         -> (grad_query, grad_key, grad_value): the call PyTorch's derivative makes.
     forward_op: the aten op of the forward (what selective activation checkpointing saves).
+    extra_names: a name for each of `extras`, in order (for printed predictions).
+    refuses(query, key, value) -> None, or why the C++ backend refuses such inputs (where
+        F.sdpa pads or slices around the fused op, which the kept path cannot replay).
     """
     device: str
     backend: SDPBackend
@@ -32,6 +35,8 @@ class KeptBackend:
     forward: Callable
     backward: Callable
     forward_op: Optional[object]
+    extra_names: tuple = ()
+    refuses: Callable = lambda query, key, value: None
 
 
 def _flash_scale(query, scale):
@@ -80,6 +85,13 @@ def _cuda_flash_backward(grad, q, k, v, mask, out, lse, extras, causal, scale):
                                                               scale=_flash_scale(q, scale))
 
 
+def _cuda_flash_refuses(q, k, v):
+    # torch_ops/backends/cuda_flash.cpp refuses the same: F.sdpa pads such a head_dim around the kernel.
+    if q.shape[-1] % 8 or v.shape[-1] % 8:
+        return f"CUDA flash attention with head_dim {q.shape[-1]} (not a multiple of 8) is not kept"
+    return None
+
+
 def _efficient_forward(q, k, v, mask, causal, scale):
     r = _aten._scaled_dot_product_efficient_attention(q, k, v, _efficient_bias(mask, q, k), True, 0.0, causal,
                                                       scale=scale)
@@ -96,11 +108,11 @@ KEPT_BACKENDS = (
     KeptBackend("cpu", SDPBackend.FLASH_ATTENTION, "flash_attention (CPU)", _cpu_flash_forward, _cpu_flash_backward,
                 _op("_scaled_dot_product_flash_attention_for_cpu")),
     KeptBackend("cuda", SDPBackend.CUDNN_ATTENTION, "cudnn_attention", _cudnn_forward, _cudnn_backward,
-                _op("_scaled_dot_product_cudnn_attention")),
+                _op("_scaled_dot_product_cudnn_attention"), ("philox seed", "philox offset")),
     KeptBackend("cuda", SDPBackend.FLASH_ATTENTION, "flash_attention", _cuda_flash_forward, _cuda_flash_backward,
-                _op("_scaled_dot_product_flash_attention")),
+                _op("_scaled_dot_product_flash_attention"), ("rng state", "unused"), _cuda_flash_refuses),
     KeptBackend("cuda", SDPBackend.EFFICIENT_ATTENTION, "efficient_attention", _efficient_forward,
-                _efficient_backward, _op("_scaled_dot_product_efficient_attention")),
+                _efficient_backward, _op("_scaled_dot_product_efficient_attention"), ("philox seed", "philox offset")),
 )
 
 

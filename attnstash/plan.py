@@ -575,9 +575,8 @@ def _plan_call(call, device, forced, capability):
     elif row is None:
         refused = (f"F.sdpa would run {chosen.name.lower()} on {device.type}, which the stash cannot keep "
                    "(training with this layer stashed raises; see why above)")
-    elif row.backend == SDPBackend.FLASH_ATTENTION and device.type == "cuda" and (
-            call.query.shape[-1] % 8 or call.value.shape[-1] % 8):
-        refused = f"CUDA flash attention with head_dim {call.query.shape[-1]} (not a multiple of 8) is not kept"
+    else:
+        refused = row.refuses(call.query, call.key, call.value)
     sizes = (0, 0, 0) if refused else backends.kept_bytes_of(row, call.query, call.key, call.value, call.mask,
                                                              call.is_causal, call.scale)
     return CallPlan(module=type(call.module).__name__, query=tuple(call.query.shape), key=tuple(call.key.shape),

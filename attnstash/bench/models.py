@@ -239,11 +239,6 @@ def sdpa_backend(shape):
     return backends.chosen_backend(q, k, v, None, 0.0, **_sdpa_flags(shape)).name
 
 
-# Names of each kept backend's extras (KeptAttention.extra), for the printed prediction.
-_EXTRA_NAMES = {"cudnn_attention": ("philox seed", "philox offset"), "flash_attention": ("rng state", "unused"),
-                "efficient_attention": ("philox seed", "philox offset")}
-
-
 def kept_bytes_per_layer(shape, backend=None):
     """(bytes, description) the stash keeps for one layer and micro-batch, or (None, why)
     for a backend it cannot keep.
@@ -267,7 +262,7 @@ def kept_bytes_per_layer(shape, backend=None):
         total = None
     q, k, v = attention_inputs(shape, device="meta")
     out, lse, extras = row.forward(q, k, v, None, flags["is_causal"], flags["scale"])
-    names = ("output", "log-sum-exp") + _EXTRA_NAMES.get(row.name, ())
+    names = ("output", "log-sum-exp") + row.extra_names + tuple(f"extra {i}" for i in range(len(extras)))
     named = [(n, t) for n, t in zip(names, [out, lse, *extras]) if isinstance(t, torch.Tensor)]
     counted = sum(t.numel() * t.element_size() for _, t in named)
     if total is None:

@@ -6,6 +6,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,10 +111,14 @@ def test_predictions_come_from_the_backend_table():
     total, formula = models.kept_bytes_per_layer(shape, "CUDNN_ATTENTION")
     assert total == 4 * 32 * 4096 * 128 * 2 + 4 * 32 * 4096 * 4 + 16 == 136_314_896
     assert "philox seed" in formula and "cudnn_attention" in formula
-    # CUDA flash and memory-efficient attention: output + float32 log-sum-exp + the two extras.
-    for backend in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
+    # CUDA flash and memory-efficient attention: output + float32 log-sum-exp + the two extras
+    # (flash: its rng state, two uint64, and an unused uint64; efficient: two int64 philox scalars).
+    for backend, extras in (("FLASH_ATTENTION", 24), ("EFFICIENT_ATTENTION", 16)):
         total, formula = models.kept_bytes_per_layer(shape, backend)
-        assert 0 <= total - (4 * 32 * 4096 * 128 * 2 + 4 * 32 * 4096 * 4) <= 64 and "meta" in formula
+        assert total == 4 * 32 * 4096 * 128 * 2 + 4 * 32 * 4096 * 4 + extras and "meta" in formula
+        # every kept tensor is a named term of the printed formula, and the terms add up
+        terms = [int(t.replace(",", "")) for t in re.findall(r"\(([\d,]+)\)", formula)]
+        assert len(terms) == 4 and sum(terms) == total and "extra" not in formula
     assert models.kept_bytes_per_layer(shape, "MATH")[0] is None
     # On this machine's device: attnstash.backends.kept_bytes, for the weights' or the autocast dtype.
     tiny = models.make_shape("tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, seq=64, batch=2)
