@@ -470,7 +470,7 @@ def run_profile_mode(shape, args, out_dir):
     warmup = args.warmup if getattr(args, "warmup_given", False) else 2
     bench = LayerBench(shape, names, seed=args.seed)
     one = bench.shape
-    traces, configs, stash_counts = {}, {}, {}
+    traces, configs = {}, {}
     print(f"profile: one decoder layer, {one.describe()}; {warmup} warm-up + {steps} profiled steps per "
           f"configuration ({'CPU + CUDA' if cuda else 'CPU only: no kernels'})", flush=True)
 

@@ -70,7 +70,8 @@ def print_model_report(report):
             print(f"  {r['name']:<{width}} {describe(r['check'])}")
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -84,7 +85,7 @@ def plot_model_report(report, path):
     """Step time and peak memory against the number of stashed layers (0 = reentrant), with
     SAC, plain non-reentrant and no checkpointing as horizontal lines, and the budget rows
     at the number of layers they kept. Returns the path, or None without matplotlib."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     rows = {r["name"]: r for r in report["configs"]}
@@ -232,7 +233,7 @@ def profile_markdown(report, top=40, host_top=20):
     |difference|. Every figure is milliseconds per profiled step."""
     s, env = report["shape"], report["environment"]
     cuda = "CUDA" in report["activities"]
-    out = [f"# attnstash profile: one checkpointed decoder layer, forward + backward", ""]
+    out = ["# attnstash profile: one checkpointed decoder layer, forward + backward", ""]
     out.append(f"Shape: {s['heads']} query / {s['kv_heads']} KV heads x {s['head_dim']}, hidden {s['hidden']}, MLP "
                f"{s['intermediate']}, micro-batch {s['batch']} x seq {s['seq']}, {_precision(s)} on "
                f"{env.get('gpu', s['device'])}; SDPA backend {report['sdpa_backend']}; torch {env['torch']}"
@@ -379,7 +380,7 @@ def plot_sweep(report, path):
     """Saved ms per stashed layer (and the attention forward, the limit) and kept MB per layer
     (measured and predicted) against the sequence length. Returns the path, or None without
     matplotlib."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     points = [p for p in report["points"] if "error" not in p]

@@ -1,7 +1,6 @@
 """The stash's budget (max_bytes): it is never exceeded, a keep over it is declined and
 that layer's recompute runs attention as the normal recompute does (same numbers), the
 last layers get the budget first, and units read as other tools read them."""
-import copy
 
 import pytest
 import torch

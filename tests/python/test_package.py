@@ -37,7 +37,7 @@ def test_library_was_built_for_the_running_torch():
 
 def test_info_prints_versions_and_ops():
     out = subprocess.run([sys.executable, "-m", "attnstash.info"], capture_output=True, text=True, check=True).stdout
-    assert f"torch  " in out and torch.__version__ in out
+    assert "torch  " in out and torch.__version__ in out
     assert "attnstash::sdpa_fwd_keep" in out and "attnstash::sdpa_replay" in out
     assert "transformers" in out
 
