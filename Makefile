@@ -6,6 +6,7 @@
 #   make sanitize   the C registry suite under ASan+UBSan, and under TSan
 #   make bench      python -m attnstash.bench (BENCH_ARGS="--mode layer", "--mode soak", ...)
 #   make sweep      every causal-LM type of both transformers versions, with and without the stash
+#   make torch-matrix   the CPU suite on each torch release of the supported range (not in CI)
 #   make build      only (re)build attnstash/_C into the venv
 #
 # Another torch: make test TORCH=torch==2.14.1 VENV=.venv-214
@@ -26,7 +27,7 @@ BUILD_DIR ?= build/$(notdir $(VENV))
 PYTEST_ARGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all venv gtest build demo bench test test-cpp test-python test-hf4 sweep sanitize clean
+.PHONY: all venv gtest build demo bench test test-cpp test-python test-hf4 sweep torch-matrix sanitize clean
 all: test
 
 venv:
@@ -92,6 +93,12 @@ endif
 	$(PYTHON) tests/python/sweep_models.py --out out/sweep-$(basename $(patsubst transformers==%,%,$(TRANSFORMERS))) $(SWEEP_ARGS) || rc=1; \
 	$(if $(NO_VENV),,PYTHONPATH=$(CURDIR) $(HF4_VENV)/bin/python tests/python/sweep_models.py --out out/sweep-$(basename $(patsubst transformers==%,%,$(HF4_TRANSFORMERS))) $(SWEEP_ARGS) || rc=1;) \
 	exit $$rc
+
+# The CPU suite on each minor torch release of the supported range (not in CI: hours, and
+# GBs of wheels, cached in ~/.cache/attnstash-torch-matrix): out/torch-matrix/results.md.
+TORCH_MATRIX ?=
+torch-matrix: gtest
+	bash tests/torch_matrix.sh $(TORCH_MATRIX)
 
 sanitize: gtest
 	cmake -S . -B build/asan -DATTNSTASH_WITH_TORCH=OFF -DATTNSTASH_BUILD_TESTS=ON \

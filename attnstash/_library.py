@@ -10,6 +10,35 @@ REBUILD = "pip install --no-build-isolation -e .   (or `make build`, from the at
 _HERE = Path(__file__).resolve().parent
 _MARK = re.compile(rb"attnstash-built-for-torch:([^;\x00]+);")
 
+# The torch releases attnstash supports, oldest and newest (major, minor): the private ATen
+# ops it calls, and what F.sdpa does before them, were read for each release in this range
+# (the differences: torch_ops/torch_compat.h and torch_ops/backends/), and
+# tests/torch_matrix.sh built and ran the CPU suite on each (README.md, Build). Older
+# releases are not declared because they were not verified. CMakeLists.txt reads this line
+# too and refuses to build for any other torch.
+SUPPORTED_TORCH = ((2, 11), (2, 15))
+
+
+def torch_release(version=None):
+    """(major, minor) of a torch version string ("2.13.0+cpu", "2.16.0.dev20260101"), by
+    default the running torch's."""
+    found = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def check_torch(version=None):
+    """Raises ImportError unless this torch (default: the running one) is in SUPPORTED_TORCH."""
+    version = version or torch.__version__
+    release = torch_release(version)
+    (lo, hi) = SUPPORTED_TORCH
+    if release is None or not lo <= release <= hi:
+        raise ImportError(
+            f"attnstash: torch {version} is not supported: attnstash supports torch {lo[0]}.{lo[1]} to "
+            f"{hi[0]}.{hi[1]} (its ops call private ATen functions whose signatures, and what "
+            f"F.scaled_dot_product_attention does before them, change between torch releases; each release in "
+            f"that range was checked). Install a supported torch, e.g. pip install 'torch>={lo[0]}.{lo[1]},"
+            f"<{hi[0]}.{hi[1] + 1}', and rebuild with: {REBUILD}")
+
 
 def library_path():
     """attnstash/_C's file for this Python, or None if there is no build."""
@@ -31,6 +60,7 @@ def built_for():
 
 
 def load():
+    check_torch()
     built = built_for()
     running = torch.__version__
     if built is None:

@@ -11,13 +11,8 @@
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 // at::SDPBackend (torch.nn.attention.SDPBackend's values, as at::_fused_sdp_choice returns
-// them): <ATen/SDPBackend.h> since torch 2.6; torch 2.5 has the same enum, same values, as
-// sdp::SDPBackend in sdp_utils_cpp.h.
-#if ATTNSTASH_TORCH_AT_LEAST(2, 6)
+// them): <ATen/SDPBackend.h> in every supported release.
 #include <ATen/SDPBackend.h>
-#else
-#include <ATen/native/transformers/sdp_utils_cpp.h>
-namespace at {
-using SDPBackend = sdp::SDPBackend;
-}  // namespace at
-#endif
+
+// C++ standard: torch 2.14's headers require C++20 (CMakeLists.txt chooses it); the code
+// here compiles as C++17 and C++20.

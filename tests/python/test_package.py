@@ -3,6 +3,7 @@ reports its build."""
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import attnstash
@@ -61,3 +62,27 @@ def test_import_error_when_the_library_is_missing(monkeypatch):
         assert "not built" in str(e) and torch.__version__ in str(e)
     else:
         raise AssertionError("load() did not fail without a build")
+
+
+def test_a_torch_outside_the_supported_range_is_refused_with_what_to_install():
+    (lo, hi) = _library.SUPPORTED_TORCH
+    assert _library.torch_release("2.13.0+cpu") == (2, 13) and _library.torch_release("2.16.0.dev20260101") == (2, 16)
+    _library.check_torch()  # the running torch is one of them
+    for inside in (f"{lo[0]}.{lo[1]}.0", f"{hi[0]}.{hi[1]}.9+cu130"):
+        _library.check_torch(inside)
+    for outside in (f"{lo[0]}.{lo[1] - 1}.1", f"{hi[0]}.{hi[1] + 1}.0", "nightly"):
+        with pytest.raises(ImportError) as e:
+            _library.check_torch(outside)
+        message = str(e.value)
+        assert f"torch {outside} is not supported" in message
+        assert f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}" in message and "pip install" in message
+
+
+def test_the_build_and_the_package_metadata_read_the_same_torch_range():
+    from pathlib import Path
+    import tomllib
+    root = Path(__file__).resolve().parents[2]
+    assert 'REGEX "^SUPPORTED_TORCH = "' in (root / "CMakeLists.txt").read_text()
+    (lo, hi) = _library.SUPPORTED_TORCH
+    dependencies = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}" in dependencies
