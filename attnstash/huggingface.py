@@ -524,8 +524,9 @@ def install_attention_stash(model, num_layers=None, *, max_bytes=None):
             layers without attention, such as Mamba layers, are not counted); None: all.
             An int or anything operator.index accepts, between 1 and the number of
             attention layers.
-        max_bytes: the stash's budget, the most bytes it holds at any moment on each
-            device: an int or a string such as "8GiB" or "512MB" (attnstash.parse_bytes);
+        max_bytes: the stash's budget, the most bytes it holds at any moment in this
+            process (all devices together: with one GPU per process, that GPU's): an int
+            or a string such as "8GiB" or "512MB" (attnstash.parse_bytes);
             None leaves the budget as it is. A keep that would pass it is declined: that
             layer's recompute runs attention as usual. The budget is the stash's
             (process-wide, see attnstash.stash_set_max_bytes); it stays after uninstall.

@@ -413,6 +413,19 @@ def test_a_recompute_given_an_alias_of_the_mask_checks_its_version_not_its_value
     assert attnstash.stash_stats()["entries"] == 0
 
 
+def test_a_dropped_non_reentrant_forward_is_released_with_its_graph_while_its_anchor_lives():
+    """Under non-reentrant checkpointing the first forward's node owns the record: dropping
+    the graph releases it at once, though the anchor (x, which the caller holds) lives on."""
+    torch.manual_seed(0)
+    block = Block(64, 4, 2, 16, torch.float32)
+    x = torch.randn(2, 40, 64, requires_grad=True)
+    y = checkpoint(block, x, use_reentrant=False)
+    assert attnstash.stash_stats()["entries"] == 1
+    del y
+    gc.collect()
+    assert attnstash.stash_stats()["entries"] == 0 and x is not None
+
+
 def test_entries_of_a_freed_anchor_are_released_by_the_next_call_or_stats_and_never_matched():
     torch.manual_seed(0)
     q, k, v = qkv(torch.float32, 4, 4, 64)

@@ -118,6 +118,33 @@ def test_a_dropped_forward_is_released_as_soon_as_its_graph_is(mode, installed):
     assert_nothing_held()
 
 
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dropped_forward_is_released_with_its_graph_while_the_user_holds_its_input(mode, installed):
+    """The graph's node owns what its first forward kept: dropping the graph releases it at
+    once, even where the anchor lives on (inputs_embeds the user holds is layer 0's input), so
+    that releasing the records of freed anchors cannot be what frees them."""
+    model = checkpointed("llama", mode)
+    installed(model)
+    ids = batch()
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+    out = model(inputs_embeds=embeds, labels=ids)
+    assert attnstash.stash_stats()["entries"] == 3
+    del out
+    gc.collect()
+    stats = attnstash.stash_stats()
+    assert stats["entries"] == 0 and stats["bytes"] == 0
+    # the same input trains on, bitwise the run without the stash
+    plain = attnstash_free_copy(model)
+    results = []
+    for m in (model, plain):
+        x = embeds.detach().requires_grad_()
+        loss = m(inputs_embeds=x, labels=ids).loss
+        loss.backward()
+        results.append([loss.detach(), x.grad] + [p.grad for p in m.parameters()])
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(*results))  # the embedding: None
+    assert attnstash.stash_stats()["entries"] == 0
+
 def attnstash_free_copy(model):
     """A deep copy of a stashed model without the stash."""
     copy = clone(model)
