@@ -35,7 +35,7 @@
 #
 # Environment:
 #   PYTHON        the Python with torch, transformers and pytest (default: the checkout's
-#                 .venv/bin/python, i.e. /work/main/.venv/bin/python)
+#                 .venv/bin/python)
 #   JOBS          build parallelism (default: nproc)
 #   TIMEOUT       seconds allowed for one pytest run (default 1200; a hang counts as caught)
 #   BASELINE=0    skip the unmutated pytest run
