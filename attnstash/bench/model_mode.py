@@ -268,7 +268,5 @@ def run_model_mode(shape, args, out_dir):
     }
     reporting.print_model_report(report)
     if out_dir is not None:
-        reporting.write_json(out_dir / "bench.json", report)
-        png = reporting.plot_model_report(report, out_dir / "bench.png")
-        print(f"wrote {out_dir / 'bench.json'}" + (f" and {png}" if png else ""))
+        reporting.write_json_and_plot(out_dir, "bench", report, reporting.plot_model_report)
     return report

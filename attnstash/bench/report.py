@@ -16,6 +16,14 @@ def write_json(path, data):
     path.write_text(json.dumps(data, indent=1, default=float) + "\n")
 
 
+def write_json_and_plot(out_dir, stem, report, plot):
+    """out_dir/<stem>.json, and out_dir/<stem>.png by plot(report, path) (None without
+    matplotlib); says what it wrote."""
+    write_json(out_dir / f"{stem}.json", report)
+    png = plot(report, out_dir / f"{stem}.png")
+    print(f"wrote {out_dir / (stem + '.json')}" + (f" and {png}" if png else ""))
+
+
 def mb(n):
     return "-" if n is None else f"{n / 1e6:,.2f} MB"
 
@@ -137,9 +145,8 @@ def plot_model_report(report, path):
     ax_m.set_title("memory")
     ax_m.legend(fontsize=8)
     s = report["shape"]
-    precision = f"fp32 + autocast {s['amp']}" if s.get("amp") else s["dtype"]
     fig.suptitle(f"attnstash, {s['layers']} layers, H{s['heads']}/{s['kv_heads']} D{s['head_dim']} "
-                 f"S{s['seq']} B{s['batch']} {precision} on {report['environment'].get('gpu', s['device'])}")
+                 f"S{s['seq']} B{s['batch']} {_precision(s)} on {report['environment'].get('gpu', s['device'])}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -135,7 +135,5 @@ def run_seq_sweep(shape, args, out_dir):
     }
     reporting.print_sweep_report(report)
     if out_dir is not None:
-        reporting.write_json(out_dir / "seq_sweep.json", report)
-        png = reporting.plot_sweep(report, out_dir / "seq_sweep.png")
-        print(f"wrote {out_dir / 'seq_sweep.json'}" + (f" and {png}" if png else ""))
+        reporting.write_json_and_plot(out_dir, "seq_sweep", report, reporting.plot_sweep)
     return report
