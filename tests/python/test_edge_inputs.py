@@ -1,13 +1,21 @@
 """Every empty shape F.sdpa takes, through both ops and both checkpointing modes, in a
 child process: a crash (a kernel dividing by zero heads, say) is a failed case here, not
 the end of the test run. Each case must do what F.scaled_dot_product_attention does:
-return the same output and gradients, or raise the same kind of error; nothing is kept."""
+return the same output and gradients, or raise the same kind of error; nothing is kept.
+
+A case whose child dies is then run through F.sdpa alone, forward and backward, in a child of
+its own. Where that dies the same way, the crash is torch's (torch 2.11.0's CPU flash kernel
+dies with SIGFPE on 0 heads, for one): attnstash hands empty calls to F.sdpa, so it dies there
+too, and the case is reported as an expected failure naming the torch release, never as a
+pass."""
 import json
+import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
 SHAPES = {  # name: (batch, heads, kv heads, seq_q, seq_k, head_dim)
     "no batch": (0, 4, 4, 8, 8, 16),
@@ -73,9 +81,21 @@ CHILD = textwrap.dedent('''
 ''')
 
 
-def run_cases(cases, child=CHILD):
+FSDPA_ALONE = textwrap.dedent('''
+    import json, sys, torch, torch.nn.functional as F
+    b, h, hkv, sq, sk, d = json.loads(sys.argv[1])
+    q, k, v = (torch.randn(b, n, s, d, requires_grad=True) for n, s in ((h, sq), (hkv, sk), (hkv, sk)))
+    try:
+        F.scaled_dot_product_attention(q, k, v, enable_gqa=h != hkv).sum().backward()
+    except Exception:
+        pass  # an error is no crash: only a dying process counts here
+''')
+
+
+def run_cases(cases, child=CHILD, fsdpa_alone=FSDPA_ALONE):
     """{(shape, path): result} for every case, run in child processes: a case during which the
-    child dies is recorded as such, and the next child goes on from the case after it."""
+    child dies is recorded as such, with the exit status of F.sdpa alone on its shape (run in a
+    child of its own), and the next child goes on from the case after it."""
     results, todo = {}, list(cases)
     while todo:
         run = subprocess.run([sys.executable, "-c", child, json.dumps([[n, p, SHAPES[n]] for n, p in todo])],
@@ -89,7 +109,10 @@ def run_cases(cases, child=CHILD):
             else:
                 results[key], started = record, None
         if started is not None:  # the child died in this case
-            results[started] = {"died": run.returncode, "stderr": run.stderr[-2000:]}
+            alone = subprocess.run([sys.executable, "-c", fsdpa_alone, json.dumps(SHAPES[started[0]])],
+                                   capture_output=True, text=True, timeout=600)
+            results[started] = {"died": run.returncode, "stderr": run.stderr[-2000:],
+                                "fsdpa_alone": alone.returncode}
         done = [c for c in todo if c in results]
         if not done and run.returncode != 0:
             raise RuntimeError(f"the child process failed before any case: {run.stderr[-2000:]}")
@@ -106,6 +129,10 @@ def results():
 @pytest.mark.parametrize("shape", SHAPES)
 def test_every_empty_shape_does_what_fsdpa_does(results, shape, path):
     result = results[(shape, path)]
+    if "died" in result and result["fsdpa_alone"] == result["died"]:
+        pytest.xfail(f"torch {torch.__version__}'s own F.scaled_dot_product_attention dies on this shape "
+                     f"(exit status {result['died']}) in a child of its own; attnstash hands empty calls "
+                     f"to F.sdpa, so it dies there too")
     assert "died" not in result, f"the child process died in this case: {result}"
     assert result["agree"], result
     assert result["held"] == 0, result
@@ -121,6 +148,30 @@ def test_a_case_that_kills_the_child_is_a_failed_case_not_the_end_of_the_run():
             print(json.dumps({"case": [name, path], "agree": True, "held": 0}), flush=True)
     ''')
     cases = [("no batch", "plain"), ("no heads", "plain"), ("no keys", "plain")]
-    results = run_cases(cases, crashes_in_no_heads)
-    assert results[("no heads", "plain")]["died"] != 0
+    fsdpa_alone_lives = "import sys"
+    results = run_cases(cases, crashes_in_no_heads, fsdpa_alone_lives)
+    assert results[("no heads", "plain")]["died"] == -signal.SIGSEGV
+    assert results[("no heads", "plain")]["fsdpa_alone"] == 0  # so the case fails, not xfails
     assert results[("no batch", "plain")]["agree"] and results[("no keys", "plain")]["agree"]
+
+
+def test_fsdpa_alone_runs_the_shape_forward_and_backward():
+    """The reference child must really run F.sdpa on the shape: it dies where F.sdpa's backward
+    dies (a stand-in kills the process from the backward of a patched F.sdpa)."""
+    dies_in_backward = FSDPA_ALONE.replace("import json, sys, torch, torch.nn.functional as F", textwrap.dedent('''
+        import json, os, signal, sys, torch, torch.nn.functional as F
+        class Die(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+            @staticmethod
+            def backward(ctx, g):
+                os.kill(os.getpid(), signal.SIGFPE)
+        real = F.scaled_dot_product_attention
+        F.scaled_dot_product_attention = lambda *a, **k: Die.apply(real(*a, **k))
+    ''').strip())
+    assert dies_in_backward != FSDPA_ALONE
+    for shape in ("one of everything", "grouped, no batch"):
+        run = subprocess.run([sys.executable, "-c", dies_in_backward, json.dumps(SHAPES[shape])], timeout=600)
+        assert run.returncode == -signal.SIGFPE, shape
+        assert subprocess.run([sys.executable, "-c", FSDPA_ALONE, json.dumps(SHAPES[shape])], timeout=600).returncode == 0
