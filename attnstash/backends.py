@@ -213,6 +213,11 @@ def _heads(query, key, value, enable_gqa, grouped):
     return None
 
 
+def _first_failed(checks):
+    """The reason of the first (reason, failed) pair that failed, or None."""
+    return next((why for why, failed in checks if failed), None)
+
+
 def _dense(query, key, value, attn_mask):
     if not query.dim() == key.dim() == value.dim() == 4:
         return "it needs 4-D query, key and value"
@@ -247,11 +252,7 @@ def _why_not_flash(query, key, value, attn_mask, is_causal, enable_gqa, capabili
         (f"flash takes float16/bfloat16, not {str(query.dtype).replace('torch.', '')}",
          query.dtype not in _HALF or not query.dtype == key.dtype == value.dtype),
     ]
-    for why, failed in checks:
-        if failed:
-            return why
-    heads = _heads(query, key, value, enable_gqa, grouped=True)
-    return heads
+    return _first_failed(checks) or _heads(query, key, value, enable_gqa, grouped=True)
 
 
 def _why_not_efficient(query, key, value, attn_mask, is_causal, enable_gqa, capability):
@@ -272,9 +273,9 @@ def _why_not_efficient(query, key, value, attn_mask, is_causal, enable_gqa, capa
         (f"memory-efficient attention does not take {str(query.dtype).replace('torch.', '')} here",
          query.dtype not in dtypes or not query.dtype == key.dtype == value.dtype),
     ]
-    for why, failed in checks:
-        if failed:
-            return why
+    why = _first_failed(checks)
+    if why:
+        return why
     heads = _heads(query, key, value, enable_gqa, grouped=False)
     return None if heads is None else heads + " (it takes no grouped K/V)"
 
@@ -296,11 +297,7 @@ def _why_not_cudnn(query, key, value, attn_mask, is_causal, enable_gqa, capabili
          query.dtype not in _HALF or not query.dtype == key.dtype == value.dtype),
         (_mask_shape(query, key, attn_mask), _mask_shape(query, key, attn_mask) is not None),
     ]
-    for why, failed in checks:
-        if failed:
-            return why
-    heads = _heads(query, key, value, enable_gqa, grouped=True)
-    return heads
+    return _first_failed(checks) or _heads(query, key, value, enable_gqa, grouped=True)
 
 
 _ENV_TRUE = ("1", "true", "TRUE", "True", "y", "yes", "YES", "on", "ON")

@@ -89,6 +89,15 @@ def pyplot():
     return plt
 
 
+def _save(plt, fig, path, title):
+    """Title the figure, write it to path and close it; returns path."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_model_report(report, path):
     """Step time and peak memory against the number of stashed layers (0 = reentrant), with
     SAC, plain non-reentrant and no checkpointing as horizontal lines, and the budget rows
@@ -145,12 +154,8 @@ def plot_model_report(report, path):
     ax_m.set_title("memory")
     ax_m.legend(fontsize=8)
     s = report["shape"]
-    fig.suptitle(f"attnstash, {s['layers']} layers, H{s['heads']}/{s['kv_heads']} D{s['head_dim']} "
+    return _save(plt, fig, path, f"attnstash, {s['layers']} layers, H{s['heads']}/{s['kv_heads']} D{s['head_dim']} "
                  f"S{s['seq']} B{s['batch']} {_precision(s)} on {report['environment'].get('gpu', s['device'])}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # ---- layer mode -----------------------------------------------------------------------------
@@ -430,12 +435,9 @@ def plot_sweep(report, path):
             ax.set_xticks(seqs)
             ax.set_xticklabels([str(x) for x in seqs])
     s = report["shape"]
-    fig.suptitle(f"attnstash, one layer, H{s['heads']}/{s['kv_heads']} D{s['head_dim']} hidden {s['hidden']}, "
-                 f"{report['batch_note']}, {_precision(s)} on {report['environment'].get('gpu', s['device'])}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, f"attnstash, one layer, H{s['heads']}/{s['kv_heads']} D{s['head_dim']} "
+                 f"hidden {s['hidden']}, {report['batch_note']}, {_precision(s)} on "
+                 f"{report['environment'].get('gpu', s['device'])}")
 
 
 # ---- soak mode ------------------------------------------------------------------------------

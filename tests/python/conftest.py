@@ -11,3 +11,22 @@ def stash_is_empty_after_each_test():
     if held["entries"] or held["bytes"]:
         attnstash.stash_clear()
         pytest.fail(f"the test left entries in the stash: {held}")
+
+
+@pytest.fixture
+def installed():
+    """install_attention_stash through this, so that every test ends with the stash uninstalled
+    (a test may uninstall a model itself)."""
+    models = []
+
+    def install(model, n=None, **kwargs):
+        layers = attnstash.install_attention_stash(model, n, **kwargs)
+        models.append(model)
+        return layers
+
+    yield install
+    for model in models:
+        try:
+            attnstash.uninstall_attention_stash(model)
+        except ValueError:
+            pass  # the test uninstalled it itself

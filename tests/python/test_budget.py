@@ -66,7 +66,7 @@ def test_the_budget_is_the_stashs_own_and_works_without_the_installer():
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("fits", [0, 1, 2, 3])
-def test_a_budget_keeps_the_last_layers_that_fit_and_trains_bitwise(mode, fits):
+def test_a_budget_keeps_the_last_layers_that_fit_and_trains_bitwise(installed, mode, fits):
     base = tiny_model("llama")
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": MODES[mode]})
     ids = batch()
@@ -80,13 +80,10 @@ def test_a_budget_keeps_the_last_layers_that_fit_and_trains_bitwise(mode, fits):
 
     reference, _ = step(clone(base))
     model = clone(base)
-    attnstash.install_attention_stash(model, max_bytes=fits * per_layer_bytes())
-    try:
-        before = attnstash.stash_stats()
-        got, held = step(model)
-        after = attnstash.stash_stats()
-    finally:
-        attnstash.uninstall_attention_stash(model)
+    installed(model, max_bytes=fits * per_layer_bytes())
+    before = attnstash.stash_stats()
+    got, held = step(model)
+    after = attnstash.stash_stats()
     assert_bitwise_equal(got, reference)
     kept = {i for i, h in held.items() if h.bytes}
     assert kept == set(range(3 - fits, 3))  # the last layers: released first in backward
@@ -98,7 +95,7 @@ def test_a_budget_keeps_the_last_layers_that_fit_and_trains_bitwise(mode, fits):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_budget_is_never_exceeded_over_varied_steps(mode):
+def test_the_budget_is_never_exceeded_over_varied_steps(installed, mode):
     # Batches of varying length (padded and not), several micro-batches in flight, both
     # checkpointing modes; install resets the peak, so peak_bytes covers the whole run.
     base = tiny_model("qwen2", layers=4)
@@ -133,13 +130,10 @@ def test_the_budget_is_never_exceeded_over_varied_steps(mode):
     ref_losses, ref_params = train(clone(base))
     model = clone(base)
     attnstash.stash_reset_peak()
-    attnstash.install_attention_stash(model, max_bytes=budget)
-    try:
-        before = attnstash.stash_stats()
-        losses, params = train(model)
-        after = attnstash.stash_stats()
-    finally:
-        attnstash.uninstall_attention_stash(model)
+    installed(model, max_bytes=budget)
+    before = attnstash.stash_stats()
+    losses, params = train(model)
+    after = attnstash.stash_stats()
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     assert 0 < after["peak_bytes"] <= budget
@@ -147,7 +141,7 @@ def test_the_budget_is_never_exceeded_over_varied_steps(mode):
     assert after["entries"] == 0
 
 
-def test_a_demoted_non_reentrant_record_is_refilled_through_the_record():
+def test_a_demoted_non_reentrant_record_is_refilled_through_the_record(installed):
     # Non-reentrant: a record kept behind its node and demoted later (another keep needed
     # the room) is refilled by its recompute, and the node's backward uses that.
     base = tiny_model("llama")
@@ -164,12 +158,9 @@ def test_a_demoted_non_reentrant_record_is_refilled_through_the_record():
 
     reference = two(clone(base))
     model = clone(base)
-    attnstash.install_attention_stash(model, max_bytes=3 * per_layer_bytes())
-    try:
-        before = attnstash.stash_stats()
-        got = two(model)
-        after = attnstash.stash_stats()
-    finally:
-        attnstash.uninstall_attention_stash(model)
+    installed(model, max_bytes=3 * per_layer_bytes())
+    before = attnstash.stash_stats()
+    got = two(model)
+    after = attnstash.stash_stats()
     assert_bitwise_equal(got, reference)
     assert after["declined"] - before["declined"] == 3 and after["replays"] - before["replays"] == 3

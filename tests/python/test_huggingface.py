@@ -18,24 +18,6 @@ from tiny_models import ARCHS, assert_bitwise_equal, batch, clone, loss_and_grad
 HF5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
-@pytest.fixture
-def installed():
-    """Install on models through this, so every test ends with the stash uninstalled."""
-    models = []
-
-    def install(model, n=None):
-        layers = attnstash.install_attention_stash(model, n)
-        models.append(model)
-        return layers
-
-    yield install
-    for model in models:
-        try:
-            attnstash.uninstall_attention_stash(model)
-        except ValueError:
-            pass  # the test uninstalled it itself
-
-
 def counters():
     s = attnstash.stash_stats()
     return s["keeps"], s["replays"]

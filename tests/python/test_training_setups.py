@@ -18,24 +18,6 @@ from tiny_models import assert_bitwise_equal, batch, clone, loss_and_grads, tiny
 MODES = {"reentrant": True, "non-reentrant": False}
 
 
-@pytest.fixture
-def installed():
-    """Install through this, so that every test ends with the stash uninstalled."""
-    models = []
-
-    def install(model, n=None, **kwargs):
-        layers = attnstash.install_attention_stash(model, n, **kwargs)
-        models.append(model)
-        return layers
-
-    yield install
-    for model in models:
-        try:
-            attnstash.uninstall_attention_stash(model)
-        except ValueError:
-            pass
-
-
 def checkpointed(arch="llama", mode="reentrant", **kwargs):
     model = tiny_model(arch, **kwargs)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": MODES[mode]})
