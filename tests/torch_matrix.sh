@@ -73,14 +73,16 @@ ctest_counts() {
   echo "$((total - failed)) passed, $failed failed"
 }
 
-# "N passed, N failed, N skipped" from pytest's JUnit XML (errors count as failed).
+# "N passed, N failed, N skipped[, N xfailed]" from pytest's JUnit XML (errors count as
+# failed; JUnit counts an expected failure as skipped, with type pytest.xfail).
 pytest_counts() {
   "$BOOTSTRAP_PYTHON" - "$1" <<'EOF' 2>/dev/null || echo "did not finish"
 import sys, xml.etree.ElementTree as ET
 root = ET.parse(sys.argv[1]).getroot()
 s = root if root.tag == "testsuite" else root.find("testsuite")
 n, f, e, k = (int(s.get(a, 0)) for a in ("tests", "failures", "errors", "skipped"))
-print(f"{n - f - e - k} passed, {f + e} failed, {k} skipped")
+x = sum(1 for skip in s.iter("skipped") if skip.get("type") == "pytest.xfail")
+print(f"{n - f - e - k} passed, {f + e} failed, {k - x} skipped" + (f", {x} xfailed" if x else ""))
 EOF
 }
 
