@@ -94,8 +94,9 @@ endif
 	$(if $(NO_VENV),,PYTHONPATH=$(CURDIR) $(HF4_VENV)/bin/python tests/python/sweep_models.py --out out/sweep-$(basename $(patsubst transformers==%,%,$(HF4_TRANSFORMERS))) $(SWEEP_ARGS) || rc=1;) \
 	exit $$rc
 
-# The CPU suite on each minor torch release of the supported range (not in CI: hours, and
-# GBs of wheels, cached in ~/.cache/attnstash-torch-matrix): out/torch-matrix/results.md.
+# The CPU suite on each minor torch release of the supported range (not in CI: about 10
+# minutes a release on 2 cores, and GBs of wheels, cached in ~/.cache/attnstash-torch-matrix):
+# out/torch-matrix/results.md.
 TORCH_MATRIX ?=
 torch-matrix: gtest
 	bash tests/torch_matrix.sh $(TORCH_MATRIX)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CPU suite (ctest + pytest tests/python) on each minor torch release of the supported
-# range, the newest patch of each, one release at a time. Not part of CI: hours on two
-# cores, and every release but the CPU 2.13.0 is a CUDA wheel of several GB.
+# range, the newest patch of each, one release at a time. Not part of CI: about 10 minutes a
+# release on two cores once its wheels are cached (fetching them the first time takes longer),
+# and every release but the CPU 2.13.0 is a CUDA wheel of several GB.
 #
 #   bash tests/torch_matrix.sh                  every release in RELEASES below
 #   bash tests/torch_matrix.sh 2.5.1 2.15.0     only these
