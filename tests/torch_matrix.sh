@@ -5,8 +5,8 @@
 # and every release but the CPU 2.13.0 is a CUDA wheel of several GB.
 #
 #   bash tests/torch_matrix.sh                  every release in RELEASES below
-#   bash tests/torch_matrix.sh 2.5.1 2.15.0     only these
-#   make torch-matrix [TORCH_MATRIX="2.5.1 2.15.0"]
+#   bash tests/torch_matrix.sh 2.11.0 2.15.0    only these
+#   make torch-matrix [TORCH_MATRIX="2.11.0 2.15.0"]
 #
 # For each release: its torch and tests/requirements.txt's pins are fetched once into a wheel
 # cache outside the repository ($TORCH_MATRIX_CACHE) and installed from there alone (pip

@@ -262,7 +262,8 @@ def kept_bytes_per_layer(shape, backend=None):
         total = None
     q, k, v = attention_inputs(shape, device="meta")
     out, lse, extras = row.forward(q, k, v, None, flags["is_causal"], flags["scale"])
-    names = ("output", "log-sum-exp") + row.extra_names + tuple(f"extra {i}" for i in range(len(extras)))
+    names = ("output", "log-sum-exp") + row.extra_names + tuple(
+        f"extra {i}" for i in range(len(row.extra_names), len(extras)))
     named = [(n, t) for n, t in zip(names, [out, lse, *extras]) if isinstance(t, torch.Tensor)]
     counted = sum(t.numel() * t.element_size() for _, t in named)
     if total is None:
