@@ -2,15 +2,16 @@
 #
 #   make demo       the main job: fine-tune a small decoder without and with the stash
 #   make test       venv + build + GoogleTest (ctest) + pytest, and the Hugging Face
-#                   tests again under transformers 4.57 (a second venv, same torch)
+#                   tests again under transformers 4.57.6 and 5.17.0 (a venv each, same torch)
 #   make sanitize   the C registry suite under ASan+UBSan, and under TSan
 #   make bench      python -m attnstash.bench (BENCH_ARGS="--mode layer", "--mode soak", ...)
-#   make sweep      every causal-LM type of both transformers versions, with and without the stash
+#   make sweep      every model type of the three transformers versions, with and without the stash
 #   make torch-matrix   the CPU suite on each torch release of the supported range (not in CI)
+#   make transformers-matrix   the Hugging Face tests on each transformers minor of the range (not in CI)
 #   make build      only (re)build attnstash/_C into the venv
 #
 # Another torch: make test TORCH=torch==2.14.1 VENV=.venv-214
-# Another transformers: make test TRANSFORMERS=transformers==4.57.6 VENV=.venv-hf4
+# Another transformers: make test TRANSFORMERS=transformers==4.57.6 VENV=.venv-4.57
 # An existing Python with torch (no venv, no installs): make test PYTHON=python3 NO_VENV=1
 
 BOOTSTRAP_PYTHON ?= python3
@@ -19,15 +20,15 @@ TORCH ?= torch==2.13.0
 # The test environment's pins: one file (pyproject.toml's `test` extra names it too).
 PINS := $(shell grep -v '^[[:space:]]*\(#\|$$\)' tests/requirements.txt)
 TRANSFORMERS ?= $(filter transformers==%,$(PINS))
-HF4_VENV ?= .venv-hf4
-HF4_TRANSFORMERS ?= transformers==4.57.6
+# The transformers releases the Hugging Face tests run on besides the pinned one (a venv each).
+HF_ALSO ?= 4.57.6 5.17.0 5.23.0
 REQUIREMENTS = $(TORCH) $(TRANSFORMERS) $(filter-out transformers==%,$(PINS))
 PYTHON ?= $(VENV)/bin/python
 BUILD_DIR ?= build/$(notdir $(VENV))
 PYTEST_ARGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all venv gtest build demo bench test test-cpp test-python test-hf4 sweep torch-matrix sanitize clean
+.PHONY: all venv gtest build demo bench test test-cpp test-python print-hf-tests hf-venvs test-hf-also sweep torch-matrix transformers-matrix sanitize clean
 all: test
 
 venv:
@@ -70,29 +71,42 @@ test-cpp: build
 test-python: build
 	$(PYTHON) -m pytest tests/python -q $(PYTEST_ARGS)
 
-# The tests that depend on transformers, again under transformers 4.57: the same extension
-# (same torch, same Python) imported from the source tree.
+# The tests that depend on transformers, again under each release of HF_ALSO: the same
+# extension (same torch, same Python) imported from the source tree.
 HF_TESTS = tests/python/test_huggingface.py tests/python/test_training_setups.py tests/python/test_trainer.py \
   tests/python/test_plan.py tests/python/test_model_sweep.py tests/python/test_budget.py
-test-hf4: build
+print-hf-tests:
+	@echo $(HF_TESTS)
+
+hf-venvs: build
 ifndef NO_VENV
-	@$(MAKE) --no-print-directory venv VENV=$(HF4_VENV) TRANSFORMERS=$(HF4_TRANSFORMERS) TORCH=$(TORCH)
-	PYTHONPATH=$(CURDIR) $(HF4_VENV)/bin/python -m pytest $(HF_TESTS) -q -p no:cacheprovider $(PYTEST_ARGS)
+	@for v in $(HF_ALSO); do $(MAKE) --no-print-directory venv VENV=.venv-hf-$$v TRANSFORMERS=transformers==$$v TORCH=$(TORCH) || exit 1; done
 endif
 
-test: test-cpp test-python test-hf4
+test-hf-also: hf-venvs
+ifndef NO_VENV
+	@rc=0; for v in $(HF_ALSO); do \
+	  echo "== the Hugging Face tests under transformers $$v"; \
+	  PYTHONPATH=$(CURDIR) .venv-hf-$$v/bin/python -m pytest $(HF_TESTS) -q -p no:cacheprovider $(PYTEST_ARGS) || rc=1; \
+	done; exit $$rc
+endif
 
-# The supported-architecture sweep: every causal-LM type of both transformers, built tiny,
-# trained with and without the stash (about 10 + 7 minutes on 2 cores); out/sweep-<version>/.
+test: test-cpp test-python test-hf-also
+
+# The supported-model sweep: every model type of each transformers (the pinned one and HF_ALSO),
+# built tiny, trained with and without the stash; out/sweep-<version>/.
 SWEEP_ARGS ?=
-sweep: build
-ifndef NO_VENV
-	@$(MAKE) --no-print-directory venv VENV=$(HF4_VENV) TRANSFORMERS=$(HF4_TRANSFORMERS) TORCH=$(TORCH)
-endif
+sweep: hf-venvs
 	@rc=0; \
-	$(PYTHON) tests/python/sweep_models.py --out out/sweep-$(basename $(patsubst transformers==%,%,$(TRANSFORMERS))) $(SWEEP_ARGS) || rc=1; \
-	$(if $(NO_VENV),,PYTHONPATH=$(CURDIR) $(HF4_VENV)/bin/python tests/python/sweep_models.py --out out/sweep-$(basename $(patsubst transformers==%,%,$(HF4_TRANSFORMERS))) $(SWEEP_ARGS) || rc=1;) \
+	$(PYTHON) tests/python/sweep_models.py --out out/sweep-$(patsubst transformers==%,%,$(TRANSFORMERS)) $(SWEEP_ARGS) || rc=1; \
+	$(if $(NO_VENV),,for v in $(HF_ALSO); do PYTHONPATH=$(CURDIR) .venv-hf-$$v/bin/python tests/python/sweep_models.py --out out/sweep-$$v $(SWEEP_ARGS) || rc=1; done;) \
 	exit $$rc
+
+# The Hugging Face tests on each transformers minor release of the supported range (not in CI:
+# about 5 minutes a release on 2 cores): out/transformers-matrix/results.md.
+TRANSFORMERS_MATRIX ?=
+transformers-matrix: build
+	PYTHON=$(PYTHON) bash tests/transformers_matrix.sh $(TRANSFORMERS_MATRIX)
 
 # The CPU suite on each minor torch release of the supported range (not in CI: about 10
 # minutes a release on 2 cores, and GBs of wheels, cached in ~/.cache/attnstash-torch-matrix):

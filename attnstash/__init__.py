@@ -1,46 +1,57 @@
 """attnstash: keep attention outputs for activation-checkpoint recomputes.
 
-Under activation checkpointing (reentrant or not) every checkpointed decoder layer runs
-its attention forward twice: in the forward, and again in the recompute before its
-backward. attnstash keeps the first forward's attention output and log-sum-exp, and the
-recompute reuses them; the backward is the call PyTorch's own derivative makes, so loss
-and gradients equal the normal recompute's.
+Under activation checkpointing (reentrant or not) every checkpointed layer runs its attention
+forward twice: in the forward, and again in the recompute before its backward. attnstash
+keeps the first forward's attention output and log-sum-exp, and the recompute reuses them;
+the backward is the call PyTorch's own derivative makes, so loss and gradients equal the
+normal recompute's.
 
     torch.ops.attnstash.sdpa_fwd_keep / sdpa_replay    the ops (attnstash.ops documents them)
-    attnstash.install_attention_stash(model, ...)      the Hugging Face installer
+    attnstash.install_attention_stash(model, ...)      the installer, for any model
     attnstash.AttentionStashCallback(...)              the same, for transformers.Trainer / TRL
-    attnstash.plan(config, batch_size, seq_len)        what the stash would keep, per layer
+    attnstash.plan(config_or_model, ...)               what the stash would keep, per layer
     attnstash.stash_stats(), stash_clear(), stash_set_max_bytes(...)   the stash itself
+    attnstash.StashError and its kinds                 what it raises (attnstash.errors)
 
-`import attnstash` loads nothing compiled: the first use of any of these names loads the
-ops (attnstash/_C), and explains a missing or mismatched build. `python -m attnstash.info`
-prints the versions and the build, also when the ops cannot load.
+`import attnstash` registers the ops (it loads attnstash/_C); when they cannot load it warns
+with the reason and the command that fixes it, and every name that needs them raises that
+ImportError. `python -m attnstash.info` prints the versions and the build in either case.
 """
 import importlib
+import warnings
 
 from ._version import __version__
+from .errors import (CheckpointingError, InstallError, KeepError, ReplayError, StashError,
+                     UnsupportedVersionError)
+
+try:
+    from . import ops as _ops  # registers torch.ops.attnstash.* and their fake kernels
+    _load_error = None
+except ImportError as e:
+    _ops, _load_error = None, e
+    warnings.warn(str(e), stacklevel=2)
 
 # name -> the module that defines it; each is imported on first use.
 _EXPORTS = {
     "sdpa_fwd_keep": "ops", "sdpa_replay": "ops", "stash_stats": "ops", "stash_stats_meanings": "ops",
-    "stash_clear": "ops", "stash_reset_peak": "ops", "stash_set_max_bytes": "ops", "stash_max_bytes": "ops",
-    "parse_bytes": "ops",
-    "install_attention_stash": "huggingface", "uninstall_attention_stash": "huggingface",
-    "layer_stash_stats": "huggingface", "attention_layers": "huggingface",
-    "AttentionStashCallback": "trainer", "plan": "plan",
+    "stash_clear": "ops", "stash_reset_peak": "ops",
+    "parse_bytes": "budget", "stash_set_max_bytes": "budget", "stash_max_bytes": "budget",
+    "install_attention_stash": "install", "uninstall_attention_stash": "install",
+    "layer_stash_stats": "install", "attention_layers": "install",
+    "AttentionStashCallback": "integrations.trainer", "plan": "plan",
 }
+_WITHOUT_OPS = {"parse_bytes", "plan"}  # usable when the ops cannot load
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = sorted(_EXPORTS) + ["__version__", "StashError", "InstallError", "UnsupportedVersionError",
+                              "CheckpointingError", "KeepError", "ReplayError"]
 
 
 def __getattr__(name):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    elif name == "_C":
-        from . import _library
-        value = _library.load()
-    else:
+    if name not in _EXPORTS:
         raise AttributeError(f"module 'attnstash' has no attribute {name!r}")
+    if _load_error is not None and name not in _WITHOUT_OPS:
+        raise ImportError(str(_load_error)) from _load_error
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     globals()[name] = value
     return value
 

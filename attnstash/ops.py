@@ -3,8 +3,7 @@
 Typed wrappers with their contracts, the stash's Python API, and the fake kernels that
 let torch.compile and FakeTensor trace the ops.
 """
-import re
-from typing import NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -88,49 +87,10 @@ def stash_reset_peak() -> None:
     _ops.stash_reset_peak()
 
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
-    """A byte count from an int (>= 0) or a string such as "8GiB", "512MB", "1.5 GB" or
-    "1024" (MB/GB are powers of 10, MiB/GiB of 2, as other tools count them); None stays
-    None. Raises ValueError for anything else (negative numbers and bools included)."""
-    accepted = ('an int >= 0, or a string such as "8GiB", "512MB", "1.5GB" or "1024" '
-                '(units B, KB, MB, GB, TB = powers of 10; KiB, MiB, GiB, TiB = powers of 2)')
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        raise ValueError(f"attnstash: a byte count must be {accepted}, got the bool {value!r}.")
-    if isinstance(value, str):
-        found = _SIZE.match(value)
-        unit = found.group(2).lower() if found else None
-        if not found or unit not in _UNITS:
-            raise ValueError(f"attnstash: cannot read {value!r} as a byte count: use {accepted}.")
-        return int(float(found.group(1)) * _UNITS[unit])
-    try:
-        count = int(value.__index__())
-    except (AttributeError, TypeError):
-        raise ValueError(f"attnstash: a byte count must be {accepted}, got {type(value).__name__} {value!r}.") from None
-    if count < 0:
-        raise ValueError(f"attnstash: a byte count must be {accepted}, got {count}.")
-    return count
-
-
-def stash_set_max_bytes(max_bytes: Union[int, str, None]) -> None:
-    """Set the stash's budget: the most bytes it holds at any moment (None: no budget; 0:
-    every keep declined). A keep that would pass it is declined: that forward's recompute
-    runs attention as the normal recompute does (counted in stash_stats()["declined"]).
-    Entries already held stay. Accepts what parse_bytes accepts."""
-    count = parse_bytes(max_bytes)
-    _ops.stash_set_max_bytes(-1 if count is None else count)
-
-
-def stash_max_bytes() -> Optional[int]:
-    """The stash's budget in bytes, or None if it has none."""
-    value = _ops.stash_stats()["max_bytes"]
-    return None if value < 0 else value
+def set_max_bytes(max_bytes: int) -> None:
+    """The registry's budget in bytes (negative: none). attnstash.stash_set_max_bytes is the
+    one to call: it reads the units users write (attnstash/budget.py)."""
+    _ops.stash_set_max_bytes(max_bytes)
 
 
 class Held(NamedTuple):
@@ -155,6 +115,11 @@ def entry_id(anchor, slot: int) -> int:
 def release(entry: int) -> bool:
     """Release one forward's reference of record `entry`; whether it was held."""
     return _ops.stash_release(entry)
+
+
+def held_ids() -> list:
+    """The ids of every record held now."""
+    return _ops.stash_held_ids()
 
 
 # ---- nested (jagged) tensors ----------------------------------------------------------------

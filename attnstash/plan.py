@@ -299,7 +299,8 @@ def _meta_copy(t):
 
 @dataclasses.dataclass
 class _Call:
-    module: torch.nn.Module
+    layer: torch.nn.Module   # the innermost layer it ran in (None: outside every layer)
+    module: torch.nn.Module  # the innermost module that calls attention (or the layer)
     query: torch.Tensor  # meta tensors with the call's shapes and strides
     key: torch.Tensor
     value: torch.Tensor
@@ -310,62 +311,60 @@ class _Call:
     enable_gqa: bool
 
 
-def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
                     enable_gqa=False):
     return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
 class _RecordSdpa(TorchFunctionMode):
-    """Inside one ALL_ATTENTION_FUNCTIONS["sdpa"] call: records its F.sdpa call and returns
-    a shape-only output in its place."""
+    """Records every F.sdpa call of the planned forward, with the modules it ran in, and
+    returns a shape-only output in its place."""
 
-    def __init__(self, calls, module):
+    def __init__(self, calls, layers, stack):
         super().__init__()
-        self.calls, self.module = calls, module
+        self.calls, self.layers, self.stack = calls, layers, stack
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
-        self.calls.append(_Call(self.module, _meta_copy(q), _meta_copy(k), _meta_copy(v), _meta_copy(mask),
+        layer = next((m for m in reversed(self.stack) if id(m) in self.layers), None)
+        module = next((m for m in reversed(self.stack) if _calls_attention(type(m))), layer)
+        self.calls.append(_Call(layer, module, _meta_copy(q), _meta_copy(k), _meta_copy(v), _meta_copy(mask),
                                 float(dropout_p), bool(is_causal), scale, bool(gqa)))
         with _disable_current_modes():
             out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device="meta")
         return _ShapeOnly(out)
 
 
-_tls = threading.local()  # .calls: the list the planning thread records into
+def _calls_attention(cls):
+    from .install import torch_adapter, transformers_adapter
+    return transformers_adapter._class_has_attention(cls) or torch_adapter.class_calls_sdpa(cls)
 
 
 @contextlib.contextmanager
-def _recording(calls):
-    """Route ALL_ATTENTION_FUNCTIONS["sdpa"] through the recorder for this thread (other
-    threads pass straight through), holding the installer's lock so that no install or
-    uninstall changes the entry meanwhile."""
-    from . import huggingface as hf
-    _, interface = hf._entry_points()
-    with hf._lock:
-        had_local = "sdpa" in getattr(interface, "_local_mapping", {})
-        previous = interface["sdpa"]
+def _recording(calls, layers):
+    """Record the F.sdpa calls of this thread's forward, and which of `layers` each ran in."""
+    stack = []
+    mine = threading.get_ident()
 
-        def recorded_sdpa(module, *args, **kwargs):
-            mine = getattr(_tls, "calls", None)
-            if mine is None:
-                return previous(module, *args, **kwargs)
-            with _RecordSdpa(mine, module):
-                return previous(module, *args, **kwargs)
+    def enter(module, args):
+        if threading.get_ident() == mine:
+            stack.append(module)
 
-        interface["sdpa"] = recorded_sdpa
-        _tls.calls = calls
-        try:
+    def leave(module, args, out):
+        if threading.get_ident() == mine and stack and stack[-1] is module:
+            stack.pop()
+
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
+    try:
+        with _RecordSdpa(calls, {id(m) for m in layers}, stack):
             yield
-        finally:
-            _tls.calls = None
-            if had_local:
-                interface["sdpa"] = previous
-            else:
-                del interface["sdpa"]
+    finally:
+        for h in handles:
+            h.remove()
 
 
 # ---- inputs --------------------------------------------------------------------------------
@@ -384,7 +383,7 @@ def _parse_dtype(dtype):
 
 
 def _parse_bytes(value):
-    from .ops import parse_bytes
+    from .budget import parse_bytes
     count = parse_bytes(value)
     if count is None:
         raise ValueError("attnstash.plan: a budget must be a byte count, got None.")
@@ -513,7 +512,7 @@ def _meta_model(config, model_class, dtype):
     return model.train()
 
 
-def _shape_only_forward(model, batch_size, seq_len, padded):
+def _shape_only_forward(model, layers, batch_size, seq_len, padded):
     """The model's F.sdpa calls in one training forward of [batch_size, seq_len] ids, in order."""
     ids = torch.zeros(batch_size, seq_len, dtype=torch.long)
     kwargs = {}
@@ -523,7 +522,7 @@ def _shape_only_forward(model, batch_size, seq_len, padded):
         kwargs["attention_mask"] = mask
     calls = []
     try:
-        with _recording(calls), torch.no_grad(), _ShapeOnlyMode():
+        with _recording(calls, layers), torch.no_grad(), _ShapeOnlyMode():
             model(input_ids=ids, **kwargs)
     except Exception as e:
         raise RuntimeError(f"attnstash.plan: the shape-only training forward of {type(model).__name__} with "
@@ -621,7 +620,8 @@ def plan(config_or_model, batch_size: int, seq_len: int, dtype=None, device=None
         RuntimeError: if the model's shape-only forward fails (it computes something from
             values the planner does not have; the message names the op).
     """
-    from . import huggingface as hf
+    from . import install
+    from .errors import InstallError
     batch_size, seq_len = _positive("batch_size", batch_size), _positive("seq_len", seq_len)
     budget_bytes = None if budget is None else _parse_bytes(budget)
     forced = _parse_backend(backend)
@@ -642,26 +642,21 @@ def plan(config_or_model, batch_size: int, seq_len: int, dtype=None, device=None
     capability = _capability(cuda_capability)
 
     model = _meta_model(config, model_class, dtype)
-    found = hf.attention_layers(model)
-    if not found:
-        raise ValueError(f"attnstash.plan: {type(model).__name__} has no attention layers to stash: looked for decoder "
-                         "layers (transformers GradientCheckpointingLayer modules) with attention that calls "
-                         "ALL_ATTENTION_FUNCTIONS, and found "
-                         + hf._describe_missing_attention(model, hf.decoder_layers(model)) + ".")
-    calls = _shape_only_forward(model, batch_size, seq_len, padded)
+    try:
+        found = install.find_layers(model)
+    except InstallError as e:
+        raise ValueError(f"attnstash.plan: {str(e).removeprefix('attnstash: ')}") from None
+    stashable = [(i, f) for i, f in enumerate(found) if f.stashable]
+    calls = _shape_only_forward(model, [f.module for _, f in stashable], batch_size, seq_len, padded)
 
     layers = []
-    for index, layer, attentions in found:
-        mine = [c for c in calls if any(c.module is a for a in attentions)]
+    for index, f in stashable:
+        mine = [c for c in calls if c.layer is f.module]
         planned = tuple(_plan_call(c, device, forced, capability) for c in mine)
         refused = next((c.refused for c in planned if c.refused), None)
         if not mine:
-            refused = ("its forward did not call its attention through ALL_ATTENTION_FUNCTIONS['sdpa'] (training with "
-                       "this layer stashed raises)")
-        for a in attentions:
-            if sum(c.module is a for c in mine) > 1:
-                refused = f"{type(a).__name__} ran more than once in one forward of the layer; the stash keeps one"
-        layers.append(LayerPlan(index=index, layer=type(layer).__name__, calls=planned, refused=refused))
+            refused = "its forward called no F.scaled_dot_product_attention (training with this layer stashed raises)"
+        layers.append(LayerPlan(index=index, layer=type(f.module).__name__, calls=planned, refused=refused))
 
     if device.type == "cuda" and not torch.cuda.is_available():
         decided_by = (f"the rules in attnstash.backends for sm{capability[0]}{capability[1]} "
@@ -671,7 +666,7 @@ def plan(config_or_model, batch_size: int, seq_len: int, dtype=None, device=None
     if forced is not None:
         decided_by = f"backend={forced.name.lower()}, " + decided_by
     name = f"{type(model).__name__} ({getattr(config, 'model_type', '?')})"
-    return StashPlan(model=name, decoder_layers=len(hf.decoder_layers(model)), batch_size=batch_size,
+    return StashPlan(model=name, decoder_layers=len(found), batch_size=batch_size,
                      seq_len=seq_len, dtype=dtype, padded=padded, device=device.type, decided_by=decided_by,
                      layers=tuple(layers), budget_bytes=budget_bytes)
 

@@ -62,6 +62,8 @@ TORCH_LIBRARY(attnstash, m) {
   m.def("stash_set_max_bytes(int max_bytes) -> ()", &attnstash::stash_set_max_bytes);
   // [slot, entries, bytes, declined entries] for each slot that holds something.
   m.def("stash_held_by_slot() -> int[]", &attnstash::stash_held_by_slot);
+  // The ids of every record held now.
+  m.def("stash_held_ids() -> int[]", &attnstash::stash_held_ids);
   // The id of the record held for (anchor, slot), 0 if none: what a forward's owner holds.
   m.def("stash_entry_id(Tensor anchor, int slot) -> int", &attnstash::stash_entry_id);
   // Releases one forward's reference of record `id` (its graph was dropped without a

@@ -232,6 +232,12 @@ std::vector<int64_t> stash_held_by_slot() {
   return flat;
 }
 
+std::vector<int64_t> stash_held_ids() {
+  std::vector<int64_t> ids;
+  visit_records([&](const stash_record& r) { ids.push_back(static_cast<int64_t>(r.id)); });
+  return ids;
+}
+
 int64_t stash_entry_id(const at::Tensor& anchor, int64_t slot) {
   stash_key key = key_of(anchor, slot, "stash_entry_id");
   int64_t id = 0;

@@ -131,6 +131,9 @@ void stash_set_max_bytes(int64_t max_bytes);
 // Flattened [slot, entries, bytes, declined entries] quadruples, one per slot held.
 std::vector<int64_t> stash_held_by_slot();
 
+// The ids of every record held now.
+std::vector<int64_t> stash_held_ids();
+
 // The id of the record held for (anchor, slot), 0 if none.
 int64_t stash_entry_id(const at::Tensor& anchor, int64_t slot);
 

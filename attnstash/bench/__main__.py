@@ -91,11 +91,11 @@ def parse_args(argv=None):
         except ValueError as e:
             p.error(str(e))
     if args.max_bytes is not None:
-        from attnstash import ops
+        from attnstash import budget
         try:
             for part in args.max_bytes.split(","):
                 if part.strip():
-                    ops.parse_bytes(part.strip())
+                    budget.parse_bytes(part.strip())
         except ValueError as e:
             p.error(f"--max-bytes: {e}")
     return args

@@ -58,7 +58,7 @@ import time
 import torch
 
 import attnstash
-from attnstash import ops
+from attnstash import budget, ops
 
 from . import report as reporting
 from .measure import (Clock, PeakMemory, Runner, collector_paused, environment, grad_difference, interleave,
@@ -91,7 +91,7 @@ class ModelConfig:
         zero_grads(self.model)
         if self.kind in STASHED:
             if self.kind == "stash-budget":
-                self._budget_before = ops.stash_max_bytes()
+                self._budget_before = budget.stash_max_bytes()
                 ops.stash_reset_peak()
             attnstash.install_attention_stash(self.model, self.stash_layers, max_bytes=self.max_bytes)
         elif self.kind == "wrapped":
@@ -101,7 +101,7 @@ class ModelConfig:
         if self.kind in STASHED:
             attnstash.uninstall_attention_stash(self.model)
             if self.kind == "stash-budget":
-                ops.stash_set_max_bytes(self._budget_before)
+                budget.stash_set_max_bytes(self._budget_before)
                 peak = attnstash.stash_stats()["peak_bytes"]
                 if peak > self.max_bytes:
                     self.peak_over_budget.append(peak)
@@ -160,7 +160,7 @@ def budgets(spec):
     """"2MB, 1.5MiB" -> [("2MB", 2000000), ("1.5MiB", 1572864)] (attnstash.parse_bytes); [] for none."""
     if not spec:
         return []
-    return [(part.strip(), ops.parse_bytes(part.strip())) for part in spec.split(",") if part.strip()]
+    return [(part.strip(), budget.parse_bytes(part.strip())) for part in spec.split(",") if part.strip()]
 
 
 def run_model_mode(shape, args, out_dir):

@@ -382,40 +382,34 @@ def compare(base, other):
 # ---- profiling --------------------------------------------------------------------------------
 
 class RecomputeMarks:
-    """A forward pre-hook and hook on the layer: a record_function range "bench:recompute"
-    around each of its forwards that runs inside a backward (a checkpoint's recompute), and
-    "bench:layer" around the others. Both forwards open a range, so that they make the same
-    calls: selective activation checkpointing checks that the recompute makes exactly the
-    forward's op calls, and the profiler's range is one (_record_function_enter_new). The
-    range closes when the forward returns or raises (a non-reentrant recompute stops early
-    by raising once it has what the backward needs: then the range covers what it ran)."""
+    """Marks the layer's checkpointed forward with a record_function range: "bench:recompute"
+    around the run inside a backward (the checkpoint's recompute), "bench:layer" around the
+    other. It stands in for the layer's checkpoint function (its _gradient_checkpointing_func,
+    which every transformers release calls with the layer's forward, inside or outside module
+    hooks), so that the ranges are inside the checkpoint. Both runs open a range, so that they
+    make the same calls: selective activation checkpointing checks that the recompute makes
+    exactly the forward's op calls. A range closes when the run returns or raises (a
+    non-reentrant recompute stops early by raising once it has what the backward needs)."""
+    NAME = "_gradient_checkpointing_func"
 
     def __init__(self, layer):
+        self.layer, self.original = layer, layer.__dict__.get(self.NAME)
+        if self.original is not None:  # (a layer that is not checkpointed has no recompute)
+            layer.__dict__[self.NAME] = self._checkpoint
+
+    def _checkpoint(self, fn, *args, **kwargs):
         from torch.profiler import record_function
-        self.record_function, self.open = record_function, []
-        # always_call: a non-reentrant recompute stops early (torch raises inside it once it has
-        # recomputed what the backward needs), and its range must close then too.
-        self.handles = [layer.register_forward_pre_hook(self._pre),
-                        layer.register_forward_hook(self._post, always_call=True)]
 
-    def _pre(self, module, args):
-        recompute = torch._C._current_graph_task_id() != -1
-        rf = self.record_function("bench:recompute" if recompute else "bench:layer")
-        rf.__enter__()
-        self.open.append(rf)
+        def marked(*a, **k):
+            recompute = torch._C._current_graph_task_id() != -1
+            with record_function("bench:recompute" if recompute else "bench:layer"):
+                return fn(*a, **k)
 
-    def _post(self, module, args, output):
-        rf = self.open.pop() if self.open else None
-        if rf is not None:
-            rf.__exit__(None, None, None)
+        return self.original(marked, *args, **kwargs)
 
     def remove(self):
-        for h in self.handles:
-            h.remove()
-        while self.open:
-            rf = self.open.pop()
-            if rf is not None:
-                rf.__exit__(None, None, None)
+        if self.original is not None:
+            self.layer.__dict__[self.NAME] = self.original
 
 
 def _allocator_counters(cuda):
@@ -490,8 +484,8 @@ def run_profile_mode(shape, args, out_dir):
     if args.traces:
         traces[ATTENTION_REFERENCE] = trace
     for config in bench.configs:
-        marks = RecomputeMarks(config.layer)
         config.setup()
+        marks = RecomputeMarks(config.layer)
         try:
             before = attnstash.stash_stats()
             trace, seconds, counters = profile_steps(lambda: bench.step(config, marks=True),
@@ -502,8 +496,8 @@ def run_profile_mode(shape, args, out_dir):
             print(f"  {config.name}: profiling FAILED\n{configs[config.name]['error']}", flush=True)
             continue
         finally:
-            config.teardown()
             marks.remove()
+            config.teardown()
             bench.reset(config)
         analyse(config.name, trace, seconds, counters)
         # The stash's counters over the warm-up and the profiled steps together.

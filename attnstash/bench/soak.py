@@ -23,7 +23,7 @@ import warnings
 import torch
 
 import attnstash
-from attnstash import ops
+from attnstash import budget, ops
 
 from . import report as reporting
 from .measure import environment, progress, slope
@@ -42,9 +42,9 @@ def soak_one_mode(shape, mode, steps, seed, max_bytes=None):
     process = psutil.Process()
     g = torch.Generator().manual_seed(seed + 1)
     rss, log = [], []
-    budget_before = ops.stash_max_bytes()
+    budget_before = budget.stash_max_bytes()
     if max_bytes is not None:
-        ops.stash_set_max_bytes(max_bytes)
+        budget.stash_set_max_bytes(max_bytes)
     ops.stash_reset_peak()
     start = attnstash.stash_stats()
     stashed = 0
@@ -93,7 +93,7 @@ def soak_one_mode(shape, mode, steps, seed, max_bytes=None):
     finally:
         if stashed:
             attnstash.uninstall_attention_stash(model)
-        ops.stash_set_max_bytes(budget_before)
+        budget.stash_set_max_bytes(budget_before)
         if bar is not None:
             bar.close()
     seconds = time.perf_counter() - t0
@@ -115,7 +115,7 @@ def soak_one_mode(shape, mode, steps, seed, max_bytes=None):
 def run_soak(shape, args, out_dir):
     """The soak under each checkpointing mode asked for; the stash must be empty after each step."""
     modes = MODES if args.checkpointing == "both" else (args.checkpointing,)
-    limits = [ops.parse_bytes(p.strip()) for p in (args.max_bytes or "").split(",") if p.strip()]
+    limits = [budget.parse_bytes(p.strip()) for p in (args.max_bytes or "").split(",") if p.strip()]
     if len(limits) > 1:
         raise SystemExit("attnstash.bench: --mode soak takes one --max-bytes budget")
     max_bytes = limits[0] if limits else None

@@ -40,7 +40,7 @@ import torch
 import transformers
 
 import attnstash
-from attnstash import huggingface as _hf
+from attnstash.install import find_layers
 
 VOCAB = 97
 LAYERS = 4
@@ -362,29 +362,46 @@ class _CountSdpa(torch.overrides.TorchFunctionMode):
         self.calls = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.nn.functional.scaled_dot_product_attention:
+        if func is torch._C._nn.scaled_dot_product_attention:
             self.calls += 1
+            self.on_sdpa(args, kwargs or {})
         return func(*args, **(kwargs or {}))
+
+    def on_sdpa(self, args, kwargs):
+        pass
 
 
 def probe(model, batch):
     """One training forward without the stash, under non-reentrant checkpointing (whose first
     forward runs with grad on where a backward can reach it): (F.scaled_dot_product_attention
-    calls, {attention module: calls}, {attention module: calls in the autograd graph: grad on
-    and an output that requires grad}) for the attention modules attnstash finds."""
+    calls, {attention layer index: calls in it}, {attention layer index: calls in the autograd
+    graph: grad on and a query, key or value that requires grad}) for the layers attnstash
+    finds."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
     set_mode(model, "non-reentrant")
-    found = attnstash.attention_layers(model)
-    ran, grad = {}, {}
-    handles = []
-    for index, _, modules in found:
-        for module in modules:
-            def hook(mod, args, kwargs, output, key=(index, id(module))):
-                ran[key] = ran.get(key, 0) + 1
-                out = output[0] if isinstance(output, (tuple, list)) else output
-                if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-                    grad[key] = grad.get(key, 0) + 1
-            handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    index_of = {id(module): index for index, _, module in attnstash.attention_layers(model)}
+    stack, ran, grad = [], {}, {}
     counter = _CountSdpa()
+
+    def on_sdpa(args, kwargs):
+        layer = next((index_of[id(m)] for m in reversed(stack) if id(m) in index_of), None)
+        if layer is None:
+            return
+        ran[layer] = ran.get(layer, 0) + 1
+        tensors = [t for t in list(args[:3]) + [kwargs.get(k) for k in ("query", "key", "value")]
+                   if isinstance(t, torch.Tensor)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            grad[layer] = grad.get(layer, 0) + 1
+
+    def enter(module, args):
+        stack.append(module)
+
+    def leave(module, args, output):
+        if stack and stack[-1] is module:
+            stack.pop()
+
+    counter.on_sdpa = on_sdpa
+    handles = [register_module_forward_pre_hook(enter), register_module_forward_hook(leave)]
     ids, mask, labels = batch
     kwargs = {} if mask is None else {"attention_mask": mask}
     try:
@@ -452,11 +469,14 @@ def _check(arch, row, modes, batches):
     if not getattr(base, "supports_gradient_checkpointing", False):
         row["outcome"] = "not buildable: the model does not support gradient checkpointing"
         return
-    decoder = [type(m).__name__ for m in _hf.decoder_layers(base)]
-    found = attnstash.attention_layers(base)
+    try:
+        decoder = [type(f.module).__name__ for f in find_layers(base)]
+        found = attnstash.attention_layers(base)
+    except attnstash.InstallError as e:
+        row["outcome"] = f"refused at install: {_short(e, 400)}"
+        return
     row["decoder_layers"] = len(decoder)
     row["attention_layers"] = [i for i, _, _ in found]
-    row["attention_modules"] = {i: [type(m).__name__ for m in mods] for i, _, mods in found}
 
     # The plain model must train in every combination (else: not buildable).
     batch_of = {kind: make_batch(kind) for kind in batches}
@@ -489,21 +509,22 @@ def _check(arch, row, modes, batches):
     if stashed != row["attention_layers"]:
         row["outcome"] = f"FAILED: install(None) stashed {stashed}, not the attention layers {row['attention_layers']}"
         return
-    modules = sum(len(mods) for _, _, mods in found)
+    layers = len(found)
     sdpa_calls, ran, grad = probe(copy.deepcopy(base), batch_of[batches[0]])
     total, calls = sum(ran.values()), sum(grad.values())  # calls: those a backward reaches (kept)
-    row["probe"] = dict(attention_modules=modules, modules_ran=len(ran), attention_calls=total,
+    row["probe"] = dict(attention_layers=layers, layers_ran=len(ran), attention_calls=total,
                         attention_calls_with_grad=calls, sdpa_calls=sdpa_calls)
-    if len(ran) != modules:
-        row["notes"].append(f"{modules - len(ran)} of {modules} attention modules never ran in a text-only forward")
+    if len(ran) != layers:
+        row["notes"].append(f"{layers - len(ran)} of {layers} attention layers called no attention in a text-only "
+                            "forward")
     if total > len(ran):
-        row["notes"].append(f"{len(ran)} attention modules ran {total} times per forward")
+        row["notes"].append(f"{len(ran)} attention layers called attention {total} times per forward")
     if calls < total:
         row["notes"].append(f"{total - calls} of {total} attention calls ran outside the autograd graph "
                             "(no_grad or frozen: nothing to keep)")
     if sdpa_calls != total:
-        row["notes"].append(f"{sdpa_calls} F.scaled_dot_product_attention calls per forward for {total} calls of "
-                            "the attention modules found")
+        row["notes"].append(f"{sdpa_calls} F.scaled_dot_product_attention calls per forward, {total} of them in the "
+                            "attention layers found")
 
     failures, refusals, unverified = [], [], []
     for mode in modes:
@@ -624,7 +645,7 @@ def sweep(archs, jobs=1, timeout=300, threads=1, log=None):
     a crash or a timeout is a FAILED row. Returns the rows in the order of `archs`."""
     import multiprocessing as mp
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "transformers.modeling_utils", "attnstash.huggingface",
+    ctx.set_forkserver_preload(["torch", "transformers", "transformers.modeling_utils", "attnstash.install",
                                 "attnstash.ops", __name__ if __name__ != "__main__" else "__main__"])
     pending = list(archs)
     running = {}  # arch -> (process, conn, start)

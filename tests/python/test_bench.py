@@ -15,7 +15,6 @@ import pytest
 import torch
 
 import attnstash
-from attnstash import huggingface
 from attnstash.bench import models
 from attnstash.bench.__main__ import main as bench_main
 from attnstash.bench.model_mode import budgets, stash_points
@@ -33,8 +32,8 @@ DEMO_TINY = ["--hidden", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2
 
 
 def stash_is_uninstalled():
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    return huggingface._patched is None and ALL_ATTENTION_FUNCTIONS["sdpa"] is not huggingface._stashed_sdpa
+    from tiny_models import nothing_installed
+    return nothing_installed()
 
 
 @pytest.fixture(scope="module")

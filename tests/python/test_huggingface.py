@@ -10,12 +10,13 @@ import pytest
 import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import attnstash
-from tiny_models import ARCHS, assert_bitwise_equal, batch, clone, loss_and_grads, tiny_model
+from attnstash.install import transformers_adapter
+from tiny_models import ARCHS, assert_bitwise_equal, batch, clone, loss_and_grads, nothing_installed, tiny_model
 
 HF5 = int(transformers.__version__.split(".")[0]) >= 5
+SUPPORTED_TEXT = "{0[0]}.{0[1]} to {1[0]}.{1[1]}".format(*transformers_adapter.SUPPORTED)
 
 
 def counters():
@@ -180,13 +181,13 @@ def test_a_model_without_sdpa_is_refused():
         attnstash.install_attention_stash(model, 1)
 
 
-def test_a_model_without_decoder_layers_is_refused():
-    model = torch.nn.Linear(4, 4)
-    model.config = transformers.PretrainedConfig()
-    model.config._attn_implementation = "sdpa"
-    with pytest.raises(ValueError, match="no attention layers to stash: looked for decoder layers .* and found 0 "
-                                         "decoder layers"):
+def test_a_model_without_layers_to_stash_is_refused_with_what_was_looked_for():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(attnstash.InstallError, match="found no layers to stash in Sequential: looked for transformers "
+                                                     "GradientCheckpointingLayers.*diffusers.*checkpoint_wrapper.*"
+                                                     "layers="):
         attnstash.install_attention_stash(model, 1)
+    assert nothing_installed()
 
 
 @pytest.mark.parametrize("bad", [True, 1.0, "2", 0, -1, 4])
@@ -205,11 +206,32 @@ def test_a_second_install_on_a_stashed_layer_is_refused(installed):
     assert attnstash.layer_stash_stats(model).keys() == {1, 2}
 
 
-def test_missing_transformers_entry_points_are_named(monkeypatch):
+def test_a_transformers_without_the_layer_class_is_named(monkeypatch):
     import transformers.modeling_layers
+    model = tiny_model("llama")
     monkeypatch.delattr(transformers.modeling_layers, "GradientCheckpointingLayer")
-    with pytest.raises(ValueError, match="transformers.modeling_layers.GradientCheckpointingLayer"):
-        attnstash.install_attention_stash(torch.nn.Linear(1, 1), 1)
+    with pytest.raises(attnstash.UnsupportedVersionError,
+                       match=f"transformers {transformers.__version__} has no "
+                             f"transformers.modeling_layers.GradientCheckpointingLayer.*{SUPPORTED_TEXT}"):
+        attnstash.install_attention_stash(model, 1)
+
+
+def versions_around_the_supported_range():
+    (lo, hi) = transformers_adapter.SUPPORTED
+    return [f"{lo[0]}.{lo[1] - 1}.2", f"{hi[0]}.{hi[1] + 1}.0", f"{hi[0] + 1}.0.0"]
+
+
+@pytest.mark.parametrize("version", versions_around_the_supported_range())
+def test_a_transformers_outside_the_supported_range_is_refused(version, monkeypatch, installed):
+    model = tiny_model("llama")
+    monkeypatch.setattr(transformers_adapter, "installed_version", lambda: version)
+    with pytest.raises(attnstash.UnsupportedVersionError,
+                       match=f"transformers {version} is not supported: .* {SUPPORTED_TEXT}.*"
+                             "ATTNSTASH_ALLOW_UNTESTED_TRANSFORMERS=1"):
+        attnstash.install_attention_stash(model, 1)
+    assert nothing_installed()
+    monkeypatch.setenv("ATTNSTASH_ALLOW_UNTESTED_TRANSFORMERS", "1")
+    assert installed(model, 1) == [2]
 
 
 def run_error(model, **kwargs):
@@ -224,7 +246,8 @@ def test_training_without_checkpointing_fails(installed):
     model.gradient_checkpointing_disable()
     installed(model, 1)
     msg = run_error(model)
-    assert "decoder layer 2" in msg and "without activation checkpointing" in msg and "use_reentrant" in msg
+    assert "layer 2 (model.layers.2, LlamaDecoderLayer)" in msg and "checkpointing is off for it" in msg
+    assert "gradient_checkpointing is False" in msg and "gradient_checkpointing_enable()" in msg
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
@@ -255,7 +278,7 @@ def test_reentrant_offloaded_checkpointing_fails(installed):
     installed(model, 1)
     with torch.autograd.graph.save_on_cpu():
         msg = run_error(model)
-    assert "decoder layer 2" in msg and "offload" in msg and "use_reentrant=False" in msg
+    assert "layer 2 (model.layers.2" in msg and "offload" in msg and "use_reentrant=False" in msg
     assert attnstash.stash_stats()["entries"] == 0
 
 
@@ -263,7 +286,7 @@ def test_attention_dropout_fails(installed):
     model = tiny_model("qwen2", attention_dropout=0.1)
     installed(model, 1)
     msg = run_error(model)
-    assert "decoder layer 2" in msg and "dropout_p=0.1" in msg
+    assert "layer 2 (model.layers.2" in msg and "dropout_p=0.1" in msg
 
 
 def test_an_unsupported_sdpa_backend_is_named(installed):
@@ -271,7 +294,7 @@ def test_an_unsupported_sdpa_backend_is_named(installed):
     installed(model, 1)
     with sdpa_kernel([SDPBackend.MATH]):
         msg = run_error(model)
-    assert "decoder layer 2" in msg and "math backend" in msg
+    assert "layer 2 (model.layers.2" in msg and "math backend" in msg
 
 
 def test_a_recompute_with_nothing_kept_names_the_layer(installed):
@@ -280,24 +303,27 @@ def test_a_recompute_with_nothing_kept_names_the_layer(installed):
     ids = batch()
     loss = model(input_ids=ids, labels=ids).loss
     attnstash.stash_clear()
-    with pytest.raises(RuntimeError, match=r"decoder layer 2 \(MistralDecoderLayer\).*no attention output is kept"):
+    with pytest.raises(attnstash.ReplayError,
+                       match=r"layer 2 \(model.layers.2, MistralDecoderLayer\).*no attention output is kept"):
         loss.backward()
 
 
 # ---- uninstall and several models ----------------------------------------------------------
 
+def module_state(model):
+    """What an install may touch on each module: its attributes and hooks."""
+    return [(sorted(m.__dict__), len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+
+
 def test_uninstall_restores_the_original_behaviour():
-    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    local_before = dict(ALL_ATTENTION_FUNCTIONS._local_mapping)
     model = tiny_model("llama")
-    hooks_before = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+    before = module_state(model)
     attnstash.install_attention_stash(model, 3)
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is not original
+    assert not nothing_installed()
+    assert all("forward" in layer.__dict__ for layer in model.model.layers)
     attnstash.uninstall_attention_stash(model)
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
-    assert dict(ALL_ATTENTION_FUNCTIONS._local_mapping) == local_before
-    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()] == hooks_before
-    assert not any(hasattr(m, "_attnstash") for m in model.modules())
+    assert nothing_installed()
+    assert module_state(model) == before
     model.gradient_checkpointing_disable()
     ids = batch()
     model(input_ids=ids, labels=ids).loss.backward()  # would fail if anything were left
@@ -331,24 +357,24 @@ def test_two_models_installed_at_once_do_not_interfere(installed):
 # ---- every decoder a user brings ------------------------------------------------------------
 
 def test_install_is_all_or_nothing(monkeypatch):
-    # A failure part-way (here: the third layer refuses its hook) leaves no hook, attribute,
-    # global wrapper or registration behind, and a later install works.
-    from attnstash import huggingface
-    original_sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    # A failure part-way (here: the third layer's forward cannot be wrapped) leaves no
+    # attribute, wrapper or patch behind, and a later install works.
+    from attnstash.install import core
     model = tiny_model("llama")
-    layer = model.model.layers[2]
-    hooks_before = [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+    before = module_state(model)
+    wrap = core.LayerForward.__init__
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("refused")
+    def refuse_the_third(self, layer):
+        if layer is model.model.layers[2]:
+            raise RuntimeError("refused")
+        wrap(self, layer)
 
-    monkeypatch.setattr(layer, "register_forward_hook", refuse)
+    monkeypatch.setattr(core.LayerForward, "__init__", refuse_the_third)
     with pytest.raises(RuntimeError, match="refused"):
-        attnstash.install_attention_stash(model)
+        attnstash.install_attention_stash(model, max_bytes=100)
     monkeypatch.undo()
-    assert not any(hasattr(m, "_attnstash") or hasattr(m, "_attnstash_slots") for m in model.modules())
-    assert [(len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()] == hooks_before
-    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original_sdpa and huggingface._patched is None
+    assert module_state(model) == before and nothing_installed()
+    assert attnstash.stash_max_bytes() is None
     assert attnstash.install_attention_stash(model) == [0, 1, 2]
     attnstash.uninstall_attention_stash(model)
 
@@ -363,8 +389,8 @@ def test_a_model_switched_to_eager_after_install_fails_at_its_first_training_for
     installed(model, 2)
     model.set_attn_implementation("eager")
     msg = run_error(model)
-    assert "decoder layer 1" in msg and "did not call its attention through ALL_ATTENTION_FUNCTIONS" in msg
-    assert "set_attn_implementation" in msg
+    assert "layer 1 (model.layers.1" in msg and "called no F.scaled_dot_product_attention" in msg
+    assert 'attn_implementation="sdpa"' in msg
     assert attnstash.stash_stats()["entries"] == 0
 
 
@@ -383,7 +409,6 @@ def test_attention_found_by_what_it_is_not_by_its_name(arch, attention, installe
     base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     found = attnstash.attention_layers(base)
     assert [i for i, _, _ in found] == [0, 1, 2]
-    assert all(getattr(layer, attention) in modules for _, layer, modules in found)
     ids = batch()
     reference = loss_and_grads(clone(base), ids)
     model = clone(base)
@@ -413,7 +438,7 @@ def test_a_deep_copy_carries_an_install_of_its_own(installed):
     loss_twin.backward()
     assert torch.equal(loss_twin.detach(), reference[0])
     attnstash.uninstall_attention_stash(twin)
-    assert not any(hasattr(m, "_attnstash") or hasattr(m, "_attnstash_slots") for m in twin.modules())
+    assert not any(hasattr(m, "_attnstash") for m in twin.modules())
     assert attnstash.install_attention_stash(twin, 1) == [2]  # once uninstalled, it can be installed
     attnstash.uninstall_attention_stash(twin)
     assert attnstash.layer_stash_stats(model).keys() == {1, 2}  # the original keeps its install
@@ -457,7 +482,7 @@ def test_one_input_through_two_different_forwards_is_refused_with_the_reason(ins
     with pytest.raises(RuntimeError) as info:
         model(inputs_embeds=embeds, labels=ids, position_ids=positions)
     msg = str(info.value)
-    assert "decoder layer 0" in msg and "different result" in msg and "inputs_embeds.clone()" in msg
+    assert "layer 0 (model.layers.0" in msg and "different result" in msg and "inputs_embeds.clone()" in msg
     first.backward()  # the first forward is unharmed
     assert attnstash.stash_stats()["entries"] == 0
 

@@ -15,7 +15,7 @@ import transformers
 
 import sweep_models
 from attnstash import attention_layers
-from attnstash.huggingface import decoder_layers
+from attnstash.install import find_layers
 from sweep_models import category, check_arch
 
 MAJOR = transformers.__version__.split(".")[0]
@@ -35,9 +35,10 @@ FAST = {
     "zamba2": ({"5": "supported", "4": "refused at install"}, None,
                "one attention block shared by several hybrid layers (4.57: no GradientCheckpointingLayer)"),
     "hrm_text": ("supported", None, "layers run several times per forward, some under no_grad"),
-    "falcon": ("refused at install", "F.scaled_dot_product_attention directly",
-               "attention that calls F.scaled_dot_product_attention directly"),
-    "diffllama": ("refused", None, "5.x: two attention calls per attention module; 4.57: F.sdpa directly"),
+    "falcon": ("refused at run", "math backend",
+               "attention that calls F.scaled_dot_product_attention directly, with K/V F.sdpa runs on math"),
+    "diffllama": ({"5": "supported", "4": "refused at run"}, None,
+                  "two attention calls per attention module (5.x); F.sdpa directly, on math (4.57)"),
     "doge": ("refused at run", "requires grad",
              "an AttentionInterface of its own, and a learned (dynamic) mask that requires grad"),
     "inkling_text": ("refused at run", "requires grad", "a learned position bias, folded into the mask"),
@@ -80,7 +81,7 @@ def test_hybrid_layers_have_at_least_two_attention_layers():
             continue
         model = sweep_models.build(arch)
         found = [i for i, _, _ in attention_layers(model)]
-        layers = len(decoder_layers(model))
+        layers = len(find_layers(model))
         assert len(found) >= 2 and layers > len(found), (arch, found, layers)
 
 

@@ -1,5 +1,6 @@
-"""The package loads its compiled ops (lazily: at the first use of an op's name) and
-reports its build."""
+"""The package registers its compiled ops when imported, explains a missing or mismatched
+build, and reports its build."""
+import os
 import subprocess
 import sys
 
@@ -10,17 +11,52 @@ import attnstash
 from attnstash import _library
 
 
-def test_importing_attnstash_loads_nothing_compiled_until_an_op_is_used():
-    code = ("import sys, attnstash, torch; "
-            "assert 'attnstash._C' not in sys.modules and 'attnstash.ops' not in sys.modules; "
-            "attnstash.stash_stats(); assert 'attnstash._C' in sys.modules; "
+def test_importing_attnstash_registers_its_ops_and_their_fake_kernels():
+    # As torchvision's: a model (or an exported or compiled graph) that calls
+    # torch.ops.attnstash.* needs only `import attnstash`.
+    code = ("import attnstash, torch\n"
+            "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+            "q = torch.randn(1, 2, 8, 4)\n"
+            "out = torch.ops.attnstash.sdpa_fwd_keep(q, q, q, q, 0)\n"
+            "assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, q, q))\n"
+            "with FakeTensorMode() as mode:\n"
+            "    fake = mode.from_tensor(q)\n"
+            "    assert torch.ops.attnstash.sdpa_fwd_keep(fake, fake, fake, fake, 0).shape == (1, 2, 8, 4)\n"
             "print(attnstash.__version__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    import tomllib
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     from pathlib import Path
     pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     assert out.stdout.strip() == pyproject["project"]["version"]  # the version is written once
+
+
+def test_without_a_build_import_warns_info_works_and_the_ops_explain(tmp_path):
+    # The Python package alone (no attnstash/_C): what a broken or missing build looks like.
+    import shutil
+    from pathlib import Path
+    shutil.copytree(Path(attnstash.__file__).parent, tmp_path / "attnstash",
+                    ignore=shutil.ignore_patterns("_C*", "__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    code = ("import warnings\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import attnstash\n"
+            "assert any('not built' in str(w.message) for w in seen), [str(w.message) for w in seen]\n"
+            "assert attnstash.parse_bytes('1KiB') == 1024\n"
+            "try:\n"
+            "    attnstash.stash_stats\n"
+            "except ImportError as e:\n"
+            "    assert 'not built' in str(e) and 'pip install --no-build-isolation' in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError('the ops loaded without a build')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    info = subprocess.run([sys.executable, "-m", "attnstash.info"], capture_output=True, text=True, env=env,
+                          cwd=tmp_path)
+    assert info.returncode == 1 and "Traceback" not in info.stderr, info.stderr
+    assert "ops registered" in info.stdout and "none: attnstash: the compiled ops" in info.stdout
+    assert torch.__version__ in info.stdout
 
 
 def test_using_an_op_registers_both_ops():
@@ -86,3 +122,13 @@ def test_the_build_and_the_package_metadata_read_the_same_torch_range():
     (lo, hi) = _library.SUPPORTED_TORCH
     dependencies = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}" in dependencies
+
+
+def test_the_installer_and_the_package_metadata_read_the_same_transformers_range():
+    from pathlib import Path
+    from attnstash.install import transformers_adapter
+    (lo, hi) = transformers_adapter.SUPPORTED
+    root = Path(__file__).resolve().parents[2]
+    assert (root / "attnstash/install/transformers-range.txt").read_text().split() == [
+        f"transformers>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}"]
+    assert "attnstash/install/transformers-range.txt" in (root / "pyproject.toml").read_text()

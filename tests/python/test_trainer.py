@@ -13,9 +13,8 @@ import torch
 import transformers
 
 import attnstash
-from attnstash import huggingface
-from attnstash.trainer import FIGURES, PREFIX, AttentionStashCallback
-from tiny_models import VOCAB, tiny_model
+from attnstash.integrations.trainer import FIGURES, PREFIX, AttentionStashCallback
+from tiny_models import VOCAB, nothing_installed, tiny_model
 
 peft = pytest.importorskip("peft")
 
@@ -172,8 +171,8 @@ def assert_reported(run, callback, keeps=LAYERS, declined=0):
 
 
 def assert_uninstalled(model, callback):
-    assert huggingface.layer_stash_stats(model) == {}
-    assert huggingface._patched is None  # the sdpa entry and GradientCheckpointingLayer.__call__ are back
+    assert attnstash.layer_stash_stats(model) == {}
+    assert nothing_installed()  # F.scaled_dot_product_attention and GradientCheckpointingLayer are as they were
     assert callback.uninstall() is False
     held = attnstash.stash_stats()
     assert held["entries"] == 0 and held["bytes"] == 0
@@ -255,11 +254,11 @@ def test_callback_outside_a_callback_handler(caplog):
     with fresh_accelerator_state():
         args = transformers.TrainingArguments(output_dir="unused", use_cpu=True, report_to="none")
     state, control = transformers.TrainerState(), transformers.TrainerControl()
-    with caplog.at_level("WARNING", logger="attnstash.trainer"):
+    with caplog.at_level("WARNING", logger="attnstash.integrations.trainer"):
         callback.on_train_begin(args, state, control, model=model)
     assert "could not find the trainer's callback list" in caplog.text
     assert callback.layers == [0, 1, 2]
-    with caplog.at_level("WARNING", logger="attnstash.trainer"):
+    with caplog.at_level("WARNING", logger="attnstash.integrations.trainer"):
         callback.on_log(args, state, control, logs={"loss": 4.6}, model=model)  # nothing ran: warns
         assert "the stash kept nothing since training began" in caplog.text
         caplog.clear()
@@ -302,7 +301,7 @@ def test_callback_after_a_train_that_raised(tmp_path):
                                            callbacks=[FailOnce(2), callback])
             with pytest.raises(KeyboardInterrupt):
                 trainer.train()
-            assert sorted(huggingface.layer_stash_stats(model)) == [0, 1, 2]
+            assert sorted(attnstash.layer_stash_stats(model)) == [0, 1, 2]
             assert attnstash.stash_max_bytes() == 2**20
             trainer.train()  # replaces the leftover stash, trains, uninstalls
             keeps = [entry[PREFIX + "keeps"] for entry in trainer.state.log_history if "loss" in entry]
@@ -312,7 +311,7 @@ def test_callback_after_a_train_that_raised(tmp_path):
             trainer.add_callback(FailOnce(1))
             with pytest.raises(KeyboardInterrupt):
                 trainer.train()
-        assert huggingface.layer_stash_stats(model)
+        assert attnstash.layer_stash_stats(model)
         assert callback.uninstall() is True
         assert attnstash.stash_max_bytes() is None
         assert_uninstalled(model, callback)

@@ -57,3 +57,12 @@ def assert_bitwise_equal(a, b):
     assert grads_a.keys() == grads_b.keys()
     different = [n for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
     assert not different, f"gradients differ: {different}"
+
+
+def nothing_installed():
+    """No stash is installed anywhere: F.scaled_dot_product_attention is torch's own and
+    transformers' layer class carries no stand-in for the checkpoint function."""
+    import torch.nn.functional as F
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    return (F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+            and "_gradient_checkpointing_func" not in vars(GradientCheckpointingLayer))

@@ -15,7 +15,9 @@ import weakref
 
 from transformers import TrainerCallback
 
-from . import huggingface, ops
+from ..errors import InstallError
+
+from .. import budget, install, ops
 
 logger = logging.getLogger(__name__)
 
@@ -41,15 +43,15 @@ class AttentionStashCallback(TrainerCallback):
     callback's `model`, which is the PEFT model when the trainer wraps one: SFTTrainer's
     peft_config included), after the trainer has enabled gradient checkpointing (both
     transformers 4.57 and 5.x enable it in train() before on_train_begin), reentrant or not.
-    At train end (on_train_end) it uninstalls it and gives back the budget it replaced.
+    At train end (on_train_end) it uninstalls it (and its budget ends with it).
 
     Args:
         num_layers: how many attention layers to stash, counted from the last; None: all of
             them (as install_attention_stash).
         max_bytes: the stash's budget for the run: an int or a string such as "8GiB"
             (attnstash.parse_bytes); keeps over it are declined and counted. None leaves the
-            budget as it is. The budget is process-wide (attnstash.stash_set_max_bytes): the
-            callback sets it at train begin and restores the previous one at train end.
+            budget as it is. It is install_attention_stash's max_bytes: it lasts as long as
+            the install.
 
     What it logs. Every training log (a log the trainer makes at a logging step: one with
     "loss"; evaluation logs and the end-of-training summary are left alone) gets, as ints:
@@ -83,15 +85,15 @@ class AttentionStashCallback(TrainerCallback):
     still get the figures, callbacks before it do not.
 
     Raises (from trainer.train(), at train begin; nothing is left installed):
-        ValueError: the model trains without gradient checkpointing
+        attnstash.InstallError (a ValueError): the model trains without gradient checkpointing
             (TrainingArguments.gradient_checkpointing=False and the model's layers not
             checkpointed: set gradient_checkpointing=True, which SFTConfig does by default, or
             call model.gradient_checkpointing_enable()), or some stashed layers are not
             checkpointed; the model cannot take the stash (install_attention_stash's error: not
             attn_implementation="sdpa", no attention layers, a bad num_layers); the model
             already has a stash installed by hand (use one or the other).
-        ValueError at construction: a max_bytes parse_bytes refuses, a num_layers that is
-            not an int.
+        At construction: ValueError for a max_bytes parse_bytes refuses, InstallError for a
+            num_layers that is not an int.
 
     A train() that raises (an exception in a step, Ctrl-C) ends without on_train_end, so the
     stash stays installed on the model (kept outputs are released with their graphs all the
@@ -101,12 +103,11 @@ class AttentionStashCallback(TrainerCallback):
     """
 
     def __init__(self, num_layers=None, max_bytes=None):
-        ops.parse_bytes(max_bytes)  # a bad budget or layer count fails here, not at train begin
-        self.num_layers = huggingface.layer_count(num_layers)
+        budget.parse_bytes(max_bytes)  # a bad budget or layer count fails here, not at train begin
+        self.num_layers = install.layer_count(num_layers)
         self.max_bytes = max_bytes
         self.layers = None        # the decoder layers stashed in the current run (install_attention_stash's result)
         self._model = None        # weakref to the model with the stash, while installed
-        self._budget = None       # (the budget to restore,) while this callback replaced it
         self._last = None         # the counters at the previous training log
         self._first = None        # whether on_train_begin found the handler and moved itself first
         self._warned = False
@@ -119,7 +120,7 @@ class AttentionStashCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
-            raise ValueError("attnstash: AttentionStashCallback got no model at train begin; it needs the model the "
+            raise InstallError("attnstash: AttentionStashCallback got no model at train begin; it needs the model the "
                              "trainer trains (transformers.Trainer passes it to its callbacks).")
         self._first = self._run_first()
         leftover = _installed_by.get(model)
@@ -127,27 +128,23 @@ class AttentionStashCallback(TrainerCallback):
             logger.info("attnstash: removing the stash an earlier train() left installed on %s (it ended without "
                         "on_train_end)", type(model).__name__)
             leftover.uninstall()
-        if huggingface.layer_stash_stats(model):
-            raise ValueError(
+        if install.layer_stash_stats(model):
+            raise InstallError(
                 f"attnstash: the trainer's model ({type(model).__name__}) already has the attention stash, installed "
                 "with install_attention_stash: use AttentionStashCallback or install_attention_stash, not both. Remove "
                 "the callback, or call attnstash.uninstall_attention_stash(model) before training.")
-        previous = ops.stash_max_bytes()
         try:
-            layers = huggingface.install_attention_stash(model, self.num_layers, max_bytes=self.max_bytes)
-        except ValueError as e:
-            ops.stash_set_max_bytes(previous)
-            raise ValueError(f"attnstash: AttentionStashCallback cannot install the stash on the trainer's model "
-                             f"({type(model).__name__}): {str(e).removeprefix('attnstash: ')}") from e
+            layers = install.install_attention_stash(model, self.num_layers, max_bytes=self.max_bytes)
+        except InstallError as e:
+            raise InstallError(f"attnstash: AttentionStashCallback cannot install the stash on the trainer's model "
+                               f"({type(model).__name__}): {str(e).removeprefix('attnstash: ')}") from e
         try:
             self._check_checkpointing(args, model, layers)
         except BaseException:
-            huggingface.uninstall_attention_stash(model)
-            ops.stash_set_max_bytes(previous)
+            install.uninstall_attention_stash(model)
             raise
         self.layers = layers
         self._model = weakref.ref(model)
-        self._budget = (previous,) if self.max_bytes is not None else None
         _installed_by[model] = self
         stats = ops.stash_stats()
         self._last = {name: stats[name] for name in _COUNTERS}
@@ -193,20 +190,16 @@ class AttentionStashCallback(TrainerCallback):
         return figures
 
     def uninstall(self):
-        """Uninstall the stash this callback installed, if it still is, and restore the budget it
-        replaced. Returns whether there was one. on_train_end calls it; call it yourself after a
-        train() that raised, to remove the stash at once."""
+        """Uninstall the stash this callback installed, if it still is (its budget ends with it).
+        Returns whether there was one. on_train_end calls it; call it yourself after a train()
+        that raised, to remove the stash at once."""
         model = self._model() if self._model is not None else None
-        budget, self._model, self._budget, self.layers = self._budget, None, None, None
-        try:
-            if model is not None:
-                if _installed_by.get(model) is self:
-                    del _installed_by[model]
-                if huggingface.layer_stash_stats(model):
-                    huggingface.uninstall_attention_stash(model)
-        finally:
-            if budget is not None:
-                ops.stash_set_max_bytes(budget[0])
+        self._model, self.layers = None, None
+        if model is not None:
+            if _installed_by.get(model) is self:
+                del _installed_by[model]
+            if install.layer_stash_stats(model):
+                install.uninstall_attention_stash(model)
         return model is not None
 
     def _run_first(self):
@@ -242,21 +235,20 @@ class AttentionStashCallback(TrainerCallback):
 
     @staticmethod
     def _check_checkpointing(args, model, layers):
-        decoder = huggingface.decoder_layers(model)
-        unchecked = [i for i in layers if not getattr(decoder[i], "gradient_checkpointing", False)]
+        found = install.find_layers(model)
+        unchecked = [i for i in layers if not getattr(found[i].module, "gradient_checkpointing", False)]
         if not unchecked:
             return
-        if len(unchecked) == len(layers) and not any(getattr(m, "gradient_checkpointing", False) for m in decoder):
+        if len(unchecked) == len(layers) and not any(getattr(f.module, "gradient_checkpointing", False) for f in found):
             flag = getattr(args, "gradient_checkpointing", None)
-            raise ValueError(
+            raise InstallError(
                 "attnstash: AttentionStashCallback needs gradient checkpointing, and the trainer trains "
-                f"{type(model).__name__} without it (TrainingArguments.gradient_checkpointing={flag}, and no decoder "
-                "layer of the model is checkpointed): the stash keeps attention outputs for the checkpoint's "
-                "recompute, so without one it could only cost memory. Set gradient_checkpointing=True in the "
-                "TrainingArguments (SFTConfig's default), reentrant or not (gradient_checkpointing_kwargs="
-                "{'use_reentrant': False}), or call model.gradient_checkpointing_enable() before training; or remove "
-                "the callback.")
-        raise ValueError(
-            f"attnstash: AttentionStashCallback: decoder layers {unchecked} of {type(model).__name__} would be stashed "
-            "but are not checkpointed (gradient checkpointing of every n-th layer?): a stashed layer must be "
+                f"{type(model).__name__} without it (TrainingArguments.gradient_checkpointing={flag}, and no layer "
+                "of the model is checkpointed): the stash keeps attention outputs for the checkpoint's recompute, so "
+                "without one it could only cost memory. Set gradient_checkpointing=True in the TrainingArguments "
+                "(SFTConfig's default), reentrant or not (gradient_checkpointing_kwargs={'use_reentrant': False}), "
+                "or call model.gradient_checkpointing_enable() before training; or remove the callback.")
+        raise InstallError(
+            f"attnstash: AttentionStashCallback: layers {unchecked} of {type(model).__name__} would be stashed but "
+            "are not checkpointed (gradient checkpointing of every n-th layer?): a stashed layer must be "
             "checkpointed. Checkpoint every layer, or pass a num_layers that covers only checkpointed layers.")

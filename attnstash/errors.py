@@ -1,0 +1,40 @@
+"""The errors attnstash raises, by kind, so that users and tests can catch a kind.
+
+Every one is a StashError (a RuntimeError); the installer's refusals are also ValueErrors,
+and a version outside the supported range is also an ImportError. The messages say what
+was expected, what was found and what to do; README.md, "Fails instead of falling back",
+lists the refusals of each kind.
+"""
+
+
+class StashError(RuntimeError):
+    """Any error of attnstash's."""
+
+
+class InstallError(StashError, ValueError):
+    """install_attention_stash cannot serve this model, these layers or these arguments
+    (nothing was installed)."""
+
+
+class UnsupportedVersionError(StashError, ImportError):
+    """A torch, transformers or diffusers outside the range attnstash was checked on, or one
+    that lacks what attnstash reaches."""
+
+
+class CheckpointingError(StashError):
+    """A stashed layer trains in a way the stash cannot replay: outside activation
+    checkpointing, a reentrant checkpoint under saved-tensor hooks (offloading), random numbers
+    the recompute does not reproduce, a recompute that calls attention more often than its
+    first forward, a training forward that calls no attention."""
+
+
+class KeepError(StashError):
+    """An attention call the stash should keep but cannot: attention dropout, a mask that
+    requires grad, a backend it cannot keep, inputs F.scaled_dot_product_attention refuses,
+    nested tensors, two different forwards on one input."""
+
+
+class ReplayError(StashError):
+    """A recompute that cannot take its kept output: nothing kept for it (the stash was
+    cleared, a second backward through one forward), or a call that differs from its first
+    forward's."""

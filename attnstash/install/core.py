@@ -1,0 +1,533 @@
+"""The installer's rules, the same for every model. The adapters (transformers_adapter,
+diffusers_adapter, torch_adapter) only find a model's layers; everything below holds for all.
+
+Layer. A stashed layer is a module whose forward an activation checkpoint runs. Its
+checkpointed forward is reached one of two ways (`Reach`):
+  - CHECKPOINT_FUNCTION: the model calls `checkpoint_function(fn, *args)` with the layer's
+    forward as fn (transformers' `layer._gradient_checkpointing_func`); the stash stands in
+    for that function (CheckpointCall), runs fn inside the checkpoint as a Run, and sees the
+    call from outside too: its grad mode and its output's graph.
+  - MODULE_CALL: the checkpoint calls the layer module itself (diffusers' blocks, torch's
+    checkpoint_wrapper, `torch.utils.checkpoint.checkpoint(block, x)` in a model's forward):
+    the layer's forward runs inside the checkpoint, and the stash wraps it (LayerForward).
+Either way every stashed layer's `forward` attribute is a LayerForward, which runs each of its
+forwards in a frame (where no Run does) and refuses a training forward outside any checkpoint.
+(A transformers layer that another checkpoint wraps, torch's checkpoint_wrapper as FSDP recipes
+apply it, is reached as a MODULE_CALL: its own gradient_checkpointing is off.)
+
+Anchor. The forward's first tensor argument (positional first, then keyword): the tensor the
+recompute is handed again (a reentrant checkpoint passes a detached alias of it, same storage
+and version), which ties the recompute to its first forward (torch_ops/schemas.cpp).
+
+Phase, frame and slots. Each forward of a stashed layer runs in a frame on its thread's
+stack (open_frame decides the phase; the ops decide again from what they see, by the rule in
+torch_ops/keep_replay.h). While any stash is installed, F.scaled_dot_product_attention is
+`route` (and so is every module-level name bound to it); inside a frame that keeps, its k-th
+call goes to attnstash::sdpa_fwd_keep with the frame's anchor at slot `layer base + k`, in call
+order, so that a layer may call attention any number of times; elsewhere it is
+F.scaled_dot_product_attention itself.
+"""
+import functools
+import itertools
+import sys
+import threading
+import weakref
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..errors import CheckpointingError, KeepError, ReplayError, StashError
+
+ATTR = "_attnstash"  # the LayerStash, in a stashed layer's __dict__
+SLOT_BITS = 16       # a layer's slots: base + call index, for up to 2**16 calls per forward
+CHECKPOINT_FUNCTION, MODULE_CALL = "checkpoint function", "module call"
+
+_lock = threading.RLock()  # installs, uninstalls, and the patch of F.scaled_dot_product_attention
+_live = weakref.WeakSet()   # every LayerStash in use (deep copies of models included)
+_bases = itertools.count(1)
+_tls = threading.local()    # .frames: the frames this thread runs, innermost last; .reached: see Run
+_SDPA = F.scaled_dot_product_attention  # torch's own
+_rebound = []               # [(module dict, name)] bound to `route` in place of _SDPA
+
+
+class Found(NamedTuple):
+    """A layer an adapter found: the module, its name in the model, whether it is one to stash
+    (it has attention, and is checkpointed where that can be seen), and how it is reached."""
+    module: torch.nn.Module
+    name: str
+    stashable: bool
+    reach: str
+
+
+class LayerStash:
+    """One stashed layer: its index and name (for messages), how its checkpointed forward is
+    reached, whether its checkpoint restores the random state for the recompute (True, False or
+    None: cannot be seen), and its slots."""
+    __slots__ = ("index", "name", "reach", "slot_base", "__weakref__")
+
+    def __init__(self, index, name, reach):
+        self.index, self.name, self.reach = index, name, reach
+        self.slot_base = next(_bases) << SLOT_BITS
+        _live.add(self)
+
+    def slots(self):
+        return range(self.slot_base, self.slot_base + (1 << SLOT_BITS))
+
+    def __deepcopy__(self, memo):
+        # A deep copy of a stashed model has an install of its own, with slots of its own.
+        return LayerStash(self.index, self.name, self.reach)
+
+
+def stash_of(layer):
+    return layer.__dict__.get(ATTR)
+
+
+def in_backward():
+    return torch._C._current_graph_task_id() != -1
+
+
+def _saved_tensor_hooks():
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def _frames():
+    frames = getattr(_tls, "frames", None)
+    if frames is None:
+        frames = _tls.frames = []
+    return frames
+
+
+def _reached():
+    reached = getattr(_tls, "reached", None)
+    if reached is None:
+        reached = _tls.reached = {}
+    return reached
+
+
+def _active(stash):
+    return any(frame.stash is stash for frame in getattr(_tls, "frames", ()))
+
+
+# ---- the router --------------------------------------------------------------------------------
+
+def route(*args, **kwargs):
+    """F.scaled_dot_product_attention while a stash is installed: inside the frame of a
+    stashed layer's forward that keeps, attnstash::sdpa_fwd_keep on the frame's anchor and next
+    slot; anywhere else (and while torch.compile traces) torch's own function."""
+    if torch.compiler.is_compiling():
+        return _SDPA(*args, **kwargs)
+    frames = getattr(_tls, "frames", None)
+    if not frames or not frames[-1].keep:
+        return _SDPA(*args, **kwargs)
+    return frames[-1].attend(*args, **kwargs)
+
+
+def _patch_sdpa():
+    """Make F.scaled_dot_product_attention, and every module-level name bound to it (code that
+    imported it by name before the install), `route`."""
+    if _rebound:
+        return
+    for module in list(sys.modules.values()):
+        names = getattr(module, "__dict__", None)
+        if not isinstance(names, dict) or module is torch._C._nn or names is globals():
+            continue
+        for name, value in list(names.items()):
+            if value is _SDPA:
+                names[name] = route
+                _rebound.append((names, name))
+
+
+def _unpatch_sdpa():
+    while _rebound:
+        names, name = _rebound.pop()
+        if names.get(name) is route:
+            names[name] = _SDPA
+
+
+# ---- frames ------------------------------------------------------------------------------------
+
+def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                    enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+class Frame:
+    """One forward of a stashed layer on this thread: a first forward (which may keep) or a
+    recompute (which replays). `limit`: the calls a recompute may route (its first forward's,
+    where known). `rng`: the random state at the first forward's start, where the recompute's
+    must be checked (see _Rng)."""
+    __slots__ = ("stash", "anchor", "keep", "first", "calls", "limit", "rng", "kept")
+
+    def __init__(self, stash, anchor, keep, first, limit=None, rng=None):
+        self.stash, self.anchor, self.keep, self.first = stash, anchor, keep, first
+        self.calls, self.limit, self.rng = 0, limit, rng
+        self.kept = []  # records a reentrant first forward kept (for its graph to own)
+
+    def attend(self, *args, **kwargs):
+        try:
+            q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"attnstash: {self.stash.name}: {e} (attnstash routes F.scaled_dot_product_attention "
+                            f"as torch {torch.__version__} defines it)") from None
+        index = self.calls
+        self.calls += 1
+        if self.limit is not None and index >= self.limit:
+            raise CheckpointingError(
+                f"attnstash: {self.stash.name}: its recompute calls attention more often than its first forward did "
+                f"({self.limit} times): the recompute does not repeat the first forward, so the kept outputs cannot "
+                "stand in for its attention. Do not stash this layer.")
+        slot = self.stash.slot_base + index
+        noted = self.rng.before_call(self, slot, q.device) if self.rng is not None else None
+        try:
+            out = ops.sdpa_fwd_keep(q, k, v, self.anchor, slot, mask, dropout_p, is_causal, scale, gqa)
+        except StashError:
+            raise
+        except RuntimeError as e:
+            if not str(e).startswith("attnstash"):
+                raise
+            raise (KeepError if self.first else ReplayError)(f"attnstash: {self.stash.name}: {e}") from e
+        reentrant = self.first and not torch.is_grad_enabled()
+        if reentrant or noted is not None:
+            record = ops.entry_id(self.anchor, slot)
+            if record and reentrant:
+                self.kept.append(record)
+            if record and noted is not None:
+                _Rng.note(record, noted)
+        return out
+
+
+def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None):
+    """The frame of one forward of a stashed layer, by the phase it runs in. `outer_grad`: the
+    grad mode of the call outside its checkpoint; `limit`: for a recompute, how many attention
+    calls its first forward routed; `preserves`: whether its checkpoint restores the random
+    state for the recompute (preserves_rng). None: cannot be seen."""
+    grad = torch.is_grad_enabled()
+    if in_backward():  # a recompute: it routes what its first forward routed
+        keep = grad and limit != 0
+        return Frame(stash, anchor, keep, first=False, limit=limit, rng=_Rng.recompute() if keep else None)
+    hooks = _saved_tensor_hooks()
+    if grad and not hooks:
+        raise CheckpointingError(
+            f"attnstash: {stash.name} is stashed, but its training forward runs outside any activation checkpoint "
+            "(grad mode on, outside backward, no checkpoint's saved-tensor hooks), so there is no recompute to save "
+            "and the stash could only cost memory. Checkpoint this layer (reentrant or not), or do not stash it.")
+    # Grad off: a reentrant checkpoint's first forward, or a forward under no_grad that no
+    # backward can reach; the call outside the checkpoint tells them apart, where it is seen.
+    reachable = grad or outer_grad is None or outer_grad
+    if not grad and hooks and reachable:
+        raise CheckpointingError(
+            f"attnstash: {stash.name} runs a reentrant checkpoint under saved-tensor hooks (offloaded "
+            "checkpointing: gradient_checkpointing_enable(offload=True), or torch.autograd.graph.save_on_cpu): "
+            "they give the recompute a copy of the layer input, so it could not find its kept output. Use "
+            "non-reentrant checkpointing with offloading (use_reentrant=False), or turn offloading off.")
+    return Frame(stash, anchor, reachable, first=True,
+                 rng=_Rng.first(anchor.device, preserves) if reachable and preserves is not True else None)
+
+
+def close_frame(frame):
+    """After a first forward that keeps: it must have called attention."""
+    if frame.first and frame.keep and frame.calls == 0:
+        release(frame.kept)
+        raise CheckpointingError(
+            f"attnstash: {frame.stash.name} is stashed, but its training forward called no "
+            "F.scaled_dot_product_attention, so nothing was kept and the stash would save nothing. Its attention "
+            "runs another implementation (eager, flash_attention_2, flex attention, a kernel of its own: load the "
+            "model with attn_implementation=\"sdpa\", or use diffusers' native attention backend), or it calls "
+            "scaled_dot_product_attention through a reference it took before the install. Or do not stash this "
+            "layer.")
+
+
+def run_in_frame(frame, fn, args, kwargs):
+    frames = _frames()
+    frames.append(frame)
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException:
+        if frame.first:
+            release(frame.kept)  # an interrupted forward (an error, Ctrl-C) keeps nothing
+        raise
+    finally:
+        frames.remove(frame)
+    close_frame(frame)
+    return out
+
+
+def anchor_of(stash, args, kwargs, more_kwargs=None):
+    for value in itertools.chain(args, kwargs.values(), (more_kwargs or {}).values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    raise CheckpointingError(f"attnstash: {stash.name} was called without a tensor argument; the stash anchors on "
+                             "the layer's input (its first tensor argument).")
+
+
+def release(records):
+    for record in records:
+        try:
+            ops.release(record)
+        except Exception:  # interpreter shutdown: nothing left to release into
+            pass
+
+
+# ---- random numbers ------------------------------------------------------------------------------
+
+class _Rng:
+    """The check that a recompute draws the random numbers its first forward drew before each
+    attention call (dropout before the projections, LoRA dropout): else its query, key and value
+    differ from the ones the kept output belongs to. Where the checkpoint is known to restore
+    the random state for its recompute (preserve_rng_state=True, torch's default), nothing is
+    checked. Where it is known not to (preserve_rng_state=False), a first forward that calls
+    attention after a draw (the state differs from the forward's start) is refused at once.
+    Where it cannot be seen, such a first forward notes the state the call was made in, and its
+    recompute must make that call in the same state: exactly the condition for having drawn the
+    same numbers."""
+    __slots__ = ("start", "refuse")
+    expected = {}  # record id -> the random state its first forward's call was made in
+
+    def __init__(self, start, refuse=False):
+        self.start, self.refuse = start, refuse
+
+    @classmethod
+    def first(cls, device, preserves):
+        return cls(_rng_state(device), refuse=preserves is False)
+
+    @classmethod
+    def recompute(cls):
+        return cls(None) if cls.expected else None
+
+    def before_call(self, frame, slot, device):
+        """A first forward's: the state to note for this call (None: nothing drawn since its
+        start). A recompute's: checks the state against the one noted."""
+        if frame.first:
+            now = _rng_state(device)
+            if torch.equal(now, self.start):
+                return None
+            if not self.refuse:
+                return now
+        else:
+            record = ops.entry_id(frame.anchor, slot)
+            want = _Rng.expected.pop(record, None) if record else None
+            if want is None or torch.equal(_rng_state(device), want):
+                return None
+        raise CheckpointingError(
+            f"attnstash: {frame.stash.name} draws random numbers before its attention (dropout, LoRA dropout, "
+            "...) and its checkpoint does not restore the random state for the recompute "
+            "(preserve_rng_state=False): the recompute's query, key and value would differ from the first forward's, "
+            "and the kept output would not match them. Checkpoint with preserve_rng_state=True (the default), "
+            "or do not stash this layer.")
+
+    @classmethod
+    def note(cls, record, state):
+        if len(cls.expected) > 64:  # forwards dropped without a recompute leave theirs behind
+            held = set(ops.held_ids())
+            for stale in [r for r in cls.expected if r not in held]:
+                cls.expected.pop(stale, None)
+        cls.expected[record] = state
+
+
+def _rng_state(device):
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return getattr(torch, device.type).get_rng_state(device)
+
+
+def preserves_rng(checkpoint_function):
+    """Whether a checkpoint function is seen to restore the random state for its recompute:
+    torch.utils.checkpoint.checkpoint, or a functools.partial of it (how transformers and
+    diffusers make theirs), with preserve_rng_state left True. False where it is seen not to;
+    None where it cannot be seen."""
+    fn, keywords = checkpoint_function, {}
+    while isinstance(fn, functools.partial):
+        keywords = {**fn.keywords, **keywords}
+        fn = fn.func
+    if not keywords.get("preserve_rng_state", True):
+        return False
+    return True if fn is torch.utils.checkpoint.checkpoint else None
+
+
+# ---- how a stashed layer's forwards get their frames ---------------------------------------------
+
+class LayerForward:
+    """A stashed layer's `forward` (an attribute of the layer, so that it runs wherever the
+    layer's module call runs, inside its checkpoint or outside). It calls the forward the layer
+    had: the one set on the layer before the install (accelerate's hooks set one), else its
+    class's, looked up at each call (FSDP2 swaps the class)."""
+    __slots__ = ("layer", "previous")
+
+    def __init__(self, layer):
+        self.layer, self.previous = layer, layer.__dict__.get("forward")
+
+    def original(self):
+        return self.previous if self.previous is not None else type(self.layer).forward.__get__(self.layer)
+
+    # torch.compile runs a stashed layer as it is, eagerly: a graph break at the layer.
+    @torch.compiler.disable
+    def __call__(self, *args, **kwargs):
+        layer = self.layer
+        forward = self.original()
+        stash = layer.__dict__.get(ATTR)
+        if stash is None or _active(stash):  # not stashed, or inside its Run (which has the frame)
+            return forward(*args, **kwargs)
+        if stash.reach is CHECKPOINT_FUNCTION and layer.training:
+            if getattr(layer, "gradient_checkpointing", False):
+                return _reached_by_checkpoint_function(stash, layer, forward, args, kwargs)
+            if torch.is_grad_enabled() and not in_backward() and not _saved_tensor_hooks():
+                raise CheckpointingError(
+                    f"attnstash: {stash.name} is stashed, but checkpointing is off for it (its gradient_checkpointing "
+                    "is False: model.gradient_checkpointing_disable(), or every_n_layers left it out, and no other "
+                    "checkpoint runs it), so there is no recompute to save and the stash could only cost memory. "
+                    "Enable checkpointing on every stashed layer (model.gradient_checkpointing_enable()), or do not "
+                    "stash this one (num_layers, layers=).")
+        if in_backward():  # a recompute follows its first forward, whatever the training flag says now
+            return run_in_frame(open_frame(stash, anchor_of(stash, args, kwargs)), forward, args, kwargs)
+        if not layer.training:  # eval and generation: untouched
+            return forward(*args, **kwargs)
+        return run_in_frame(open_frame(stash, anchor_of(stash, args, kwargs)), forward, args, kwargs)
+
+
+def _reached_by_checkpoint_function(stash, layer, forward, args, kwargs):
+    """A training forward of a layer that its own checkpoint function checkpoints, seen from
+    outside the checkpoint: its frames come from its Run, which the forward must reach."""
+    if not torch.is_grad_enabled() or in_backward():
+        return forward(*args, **kwargs)
+    reached = _reached()
+    before = reached.get(stash.slot_base, 0)
+    out = forward(*args, **kwargs)
+    if reached.get(stash.slot_base, 0) == before:
+        raise CheckpointingError(
+            f"attnstash: {stash.name}: its training forward ran with gradient_checkpointing on, but without "
+            f"calling its checkpoint function ({type(layer).__name__}._gradient_checkpointing_func), which is where "
+            "attnstash reaches the checkpointed forward; nothing was kept. The library that checkpoints it "
+            f"({_library_of(layer)}) checkpoints its layers another way than the releases attnstash supports "
+            "(README.md, Compatibility).")
+    return out
+
+
+def _library_of(layer):
+    top = type(layer).__module__.split(".")[0]
+    version = getattr(sys.modules.get(top), "__version__", None)
+    return f"{top} {version}" if version else top
+
+
+class CheckpointCall:
+    """Stands in for a CHECKPOINT_FUNCTION layer's checkpoint function: calls it with a Run of
+    the layer's forward, from outside the checkpoint, where the grad mode of the call and the
+    graph of its output can be seen."""
+    __slots__ = ("stash", "checkpoint")
+
+    def __init__(self, stash, checkpoint):
+        self.stash, self.checkpoint = stash, checkpoint
+
+    def __call__(self, fn, *args, **kwargs):
+        run = Run(self.stash, fn, torch.is_grad_enabled(), preserves_rng(self.checkpoint))
+        out = self.checkpoint(run, *args, **kwargs)
+        run.own(out)
+        return out
+
+
+class Run:
+    """A stashed layer's forward as its checkpoint runs it: once in the forward, once in the
+    recompute; both in a frame, and the recompute routes exactly the calls its first forward
+    routed."""
+    __slots__ = ("stash", "fn", "outer_grad", "preserves", "routed", "kept")
+
+    def __init__(self, stash, fn, outer_grad, preserves):
+        self.stash, self.fn, self.outer_grad, self.preserves = stash, fn, outer_grad, preserves
+        self.routed = None  # attention calls the first forward routed (0: it kept nothing)
+        self.kept = []
+
+    def __call__(self, *args, **kwargs):
+        stash = self.stash
+        anchor = anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None))
+        if in_backward():
+            return run_in_frame(open_frame(stash, anchor, limit=self.routed if self.routed is not None else 0),
+                                self.fn, args, kwargs)
+        reached = _reached()
+        reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
+        frame = open_frame(stash, anchor, self.outer_grad, preserves=self.preserves)
+        out = run_in_frame(frame, self.fn, args, kwargs)
+        self.routed, self.kept = (frame.calls if frame.keep else 0), frame.kept
+        return out
+
+    def own(self, out):
+        """What a reentrant first forward kept is owned by its checkpoint's graph node: released
+        with it if no backward comes, at once if no backward can."""
+        if not self.kept:
+            return
+        tensor = next((t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None), None)
+        if tensor is None:
+            release(self.kept)
+        else:
+            tensor.grad_fn.register_hook(_Owner(self.kept))
+        self.kept = []
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            yield from _tensors(item)
+
+
+class _Owner:
+    """Owns the records of one reentrant first forward for the life of its checkpoint's graph
+    node: as a hook of that node it learns that its backward ran (its recompute took them);
+    destroyed with the node before that, it releases them."""
+    __slots__ = ("records", "done")
+
+    def __init__(self, records):
+        self.records, self.done = records, False
+
+    def __call__(self, grad_inputs, grad_outputs):
+        self.done = True
+
+    def __del__(self):
+        if not self.done:
+            release(self.records)
+
+
+# ---- install and uninstall -------------------------------------------------------------------------
+
+def attach(layer, index, name, reach):
+    """Stash one layer (the caller holds _lock and has patched the router)."""
+    forward = LayerForward(layer)
+    stash = LayerStash(index, name, reach)
+    layer.__dict__[ATTR] = stash
+    layer.__dict__["forward"] = forward
+    return stash
+
+
+def detach(layer):
+    stash = layer.__dict__.pop(ATTR, None)
+    forward = layer.__dict__.get("forward")
+    if isinstance(forward, LayerForward):  # (one set over it since stays, and passes through)
+        if forward.previous is None:
+            del layer.__dict__["forward"]
+        else:
+            layer.__dict__["forward"] = forward.previous
+    if stash is not None:
+        _live.discard(stash)
+
+
+def patch_router():
+    _patch_sdpa()
+
+
+def unpatch_router_if_unused():
+    """Once no stash is in use (models dropped without an uninstall are collected first),
+    F.scaled_dot_product_attention is torch's own again. Returns whether it is."""
+    if _live:
+        import gc
+        gc.collect()
+    if not _live:
+        _unpatch_sdpa()
+    return not _live
+
+
+def held_by_layer(stash, held):
+    """(entries, bytes, declined) held for one layer, from ops.held_by_slot()."""
+    slots = stash.slots()
+    rows = [h for slot, h in held.items() if slot in slots]
+    return ops.Held(*(sum(column) for column in zip(*rows))) if rows else ops.Held(0, 0, 0)

@@ -1,0 +1,195 @@
+"""What the installer needs to know of Hugging Face transformers (4.57 to 5.23, SUPPORTED).
+
+Layers: the model's GradientCheckpointingLayers, in the order of model.modules(); a layer
+has attention if a module class of its own (not of a layer nested in it) calls
+ALL_ATTENTION_FUNCTIONS or F.scaled_dot_product_attention (read from the class's source).
+Its checkpointed forward is reached through its checkpoint function: every release in the
+range calls `self._gradient_checkpointing_func(fn, *args)` with the layer's forward as fn
+(4.57 to 5.22 from GradientCheckpointingLayer.__call__, 5.23 from the `forward` that
+__init_subclass__ wraps). While a transformers layer is stashed, GradientCheckpointingLayer
+carries a descriptor for that attribute, so that whatever sets it (gradient_checkpointing_enable
+before or after the install, Trainer, PEFT) a stashed layer reads attnstash's stand-in for it.
+"""
+import functools
+import inspect
+import os
+import re
+import sys
+
+import torch
+
+from ..errors import InstallError, UnsupportedVersionError
+from . import core
+
+SUPPORTED = ((4, 57), (5, 24))
+"""The transformers releases attnstash was checked on, oldest and newest (major, minor):
+`make test` runs the Hugging Face suite on 4.57, 5.17 and 5.23, `make transformers-matrix` on
+every minor between (README.md, Compatibility). pyproject.toml's `transformers` extra says the
+same."""
+UNTESTED = "ATTNSTASH_ALLOW_UNTESTED_TRANSFORMERS"
+NAME = "_gradient_checkpointing_func"
+
+
+def _release(version):
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def installed_version():
+    import transformers
+    return transformers.__version__
+
+
+def check_version():
+    """Raises UnsupportedVersionError for a transformers outside SUPPORTED (unless UNTESTED=1
+    is set in the environment) or one that lacks what attnstash reaches."""
+    version = installed_version()
+    (lo, hi), release = SUPPORTED, _release(version)
+    if (release is None or not lo <= release <= hi) and os.environ.get(UNTESTED) != "1":
+        raise UnsupportedVersionError(
+            f"attnstash: transformers {version} is not supported: attnstash was checked on "
+            f"transformers {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}, where it reaches each checkpointed layer through "
+            f"its {NAME} (how a release checkpoints its layers changes between releases). Install one of those "
+            f"(pip install 'transformers>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}'), or set {UNTESTED}=1 to try this "
+            "one: a layer this release checkpoints another way then fails clearly at its first training forward.")
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:
+        raise UnsupportedVersionError(
+            f"attnstash: transformers {version} has no "
+            "transformers.modeling_layers.GradientCheckpointingLayer, the class of the layers it checkpoints, "
+            f"which attnstash reaches; it supports transformers {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}.") from None
+    return GradientCheckpointingLayer
+
+
+def _check_layer(module):
+    """A layer class that defines the checkpoint function's name itself would hide the stand-in."""
+    for klass in type(module).__mro__:
+        if NAME in vars(klass) and not isinstance(vars(klass)[NAME], _CheckpointFunctionSlot):
+            raise UnsupportedVersionError(
+                f"attnstash: {klass.__name__} (transformers {installed_version()}) defines {NAME} on the class, "
+                "where attnstash needs to stand in for each layer's checkpoint function; it supports transformers "
+                f"{SUPPORTED[0][0]}.{SUPPORTED[0][1]} to {SUPPORTED[1][0]}.{SUPPORTED[1][1]}.")
+
+
+def _layer_class():
+    module = sys.modules.get("transformers.modeling_layers")
+    return getattr(module, "GradientCheckpointingLayer", None) if module is not None else None
+
+
+# ---- which layers ------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _class_has_attention(cls):
+    """Whether a module class (or a transformers base class of it) calls attention: the
+    registry ALL_ATTENTION_FUNCTIONS or F.scaled_dot_product_attention."""
+    for klass in cls.__mro__:
+        if klass is torch.nn.Module or not klass.__module__.startswith("transformers"):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        if "ALL_ATTENTION_FUNCTIONS" in source or "scaled_dot_product_attention" in source:
+            return True
+    return False
+
+
+def _own_modules(layer, layer_class):
+    """The layer and its submodules that are not inside another layer nested in it."""
+    yield layer
+    stack = list(layer.children())
+    while stack:
+        module = stack.pop()
+        if isinstance(module, layer_class):
+            continue
+        yield module
+        stack.extend(module.children())
+
+
+def find(model):
+    """[core.Found] for a transformers model (a PEFT wrapper of one will do), or None if it has
+    no GradientCheckpointingLayer."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return None
+    if any(isinstance(m, transformers.PreTrainedModel) for m in model.modules()):
+        check_version()  # a transformers model: this transformers must be one attnstash reaches
+    layer_class = _layer_class()
+    if layer_class is None:
+        return None
+    found = [core.Found(module, name, any(_class_has_attention(type(m)) for m in _own_modules(module, layer_class)),
+                        core.CHECKPOINT_FUNCTION)
+             for name, module in model.named_modules() if isinstance(module, layer_class)]
+    if not found:
+        return None
+    check_version()
+    for f in found:
+        _check_layer(f.module)
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if impl is not None and impl != "sdpa":
+        raise InstallError(f"attnstash: the model uses attn_implementation={impl!r}; the stash keeps SDPA attention "
+                           "only. Load it with attn_implementation=\"sdpa\".")
+    checkpointed = {id(f.module) for f in found if getattr(f.module, "gradient_checkpointing", False)}
+    if checkpointed:  # checkpointing enabled with every_n_layers > 1 leaves some layers out: not those
+        found = [f if id(f.module) in checkpointed else f._replace(stashable=False) for f in found]
+    return found
+
+
+def reach(module):
+    """How a layer the user names (layers=) is reached: through its checkpoint function if it
+    is a transformers layer, else as a module call."""
+    layer_class = _layer_class()
+    if layer_class is not None and isinstance(module, layer_class):
+        check_version()
+        _check_layer(module)
+        return core.CHECKPOINT_FUNCTION
+    return None
+
+
+def describe(model):
+    """What a model without stashable layers has instead, for the error."""
+    named = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__
+                    or "Attn" in type(m).__name__})
+    return ("transformers GradientCheckpointingLayers with attention (modules that call ALL_ATTENTION_FUNCTIONS or "
+            "F.scaled_dot_product_attention)" + (f"; it has attention modules ({', '.join(named)}) outside any such "
+                                                "layer" if named else ""))
+
+
+# ---- the checkpoint function's stand-in ----------------------------------------------------------
+
+class _CheckpointFunctionSlot:
+    """GradientCheckpointingLayer._gradient_checkpointing_func while a transformers layer is
+    stashed: each layer keeps its own value in its __dict__, as without it; a stashed layer
+    reads a core.CheckpointCall standing in for that value."""
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        try:
+            value = layer.__dict__[NAME]
+        except KeyError:
+            raise AttributeError(f"'{type(layer).__name__}' object has no attribute '{NAME}'") from None
+        stash = layer.__dict__.get(core.ATTR)
+        return value if stash is None or value is None else core.CheckpointCall(stash, value)
+
+    def __set__(self, layer, value):
+        layer.__dict__[NAME] = value
+
+    def __delete__(self, layer):
+        try:
+            del layer.__dict__[NAME]
+        except KeyError:
+            raise AttributeError(NAME) from None
+
+
+def patch():
+    layer_class = check_version()
+    if not isinstance(vars(layer_class).get(NAME), _CheckpointFunctionSlot):
+        setattr(layer_class, NAME, _CheckpointFunctionSlot())
+
+
+def unpatch():
+    layer_class = _layer_class()
+    if layer_class is not None and isinstance(vars(layer_class).get(NAME), _CheckpointFunctionSlot):
+        delattr(layer_class, NAME)

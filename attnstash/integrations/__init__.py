@@ -1,0 +1,1 @@
+"""attnstash where training starts: the transformers Trainer callback (trainer.py)."""
