@@ -6,7 +6,7 @@ budget is in force. What the budget does is stated once, in csrc/stash_registry.
 """
 import re
 import threading
-from decimal import Decimal, InvalidOperation
+from fractions import Fraction
 from typing import Optional, Union
 
 MAX_BYTES = 2**63 - 1
@@ -34,10 +34,7 @@ def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
         unit = found.group(2).lower() if found else None
         if not found or unit not in _UNITS:
             raise ValueError(f"attnstash: cannot read {value!r} as a byte count: use {_ACCEPTED}.")
-        try:
-            count = int(Decimal(found.group(1)) * _UNITS[unit])
-        except InvalidOperation:  # more digits than Decimal's context holds
-            count = MAX_BYTES + 1
+        count = int(Fraction(found.group(1)) * _UNITS[unit])  # exact: "2.01MB" is 2,010,000
     else:
         try:
             count = int(value.__index__())

@@ -43,6 +43,7 @@ import dataclasses
 import json
 import operator
 import os
+import re
 import sys
 import threading
 import types
@@ -445,11 +446,36 @@ def load_config(source):
     if not model_type:
         raise ValueError(f"attnstash.plan: {where} has no \"model_type\": it must be a Hugging Face config.json "
                          "(model_type, num_hidden_layers, hidden_size, num_attention_heads, ...).")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if model_type in CONFIG_MAPPING:
+        _check_value_types(where, CONFIG_MAPPING[model_type], values)
     try:
         return transformers.AutoConfig.for_model(model_type, **values)
-    except (ValueError, KeyError) as e:
+    except Exception as e:  # a value of the wrong type or out of range: transformers' own words, on one line
+        detail = " ".join(str(e).split())
         raise ValueError(f"attnstash.plan: {where}: transformers {transformers.__version__} cannot build a config "
-                         f"for model_type {model_type!r}: {e}") from None
+                         f"for model_type {model_type!r} from it: {detail}") from None
+
+
+_COUNT = re.compile(r"^num_|^n_|_size$|_heads$|_layers$|_dim$")  # sizes and counts, which are positive
+
+
+def _check_value_types(where, config_class, values):
+    """A number the config class defaults to, given as something else, named before transformers
+    trips over it somewhere deeper (transformers 4.x has no typed configs)."""
+    try:
+        default = config_class()
+    except Exception:
+        return
+    for name, value in values.items():
+        expected = getattr(default, name, None)
+        numeric = isinstance(expected, (int, float)) and not isinstance(expected, bool) and value is not None
+        if numeric and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"attnstash.plan: {where}: \"{name}\" must be a number (like {expected!r}), got "
+                             f"{value!r}.")
+        if numeric and value <= 0 < expected and _COUNT.search(name):
+            raise ValueError(f"attnstash.plan: {where}: \"{name}\" must be positive (like {expected!r}), got "
+                             f"{value!r}.")
 
 
 def _from_model(model):
@@ -505,10 +531,11 @@ def _meta_model(config, model_class, dtype):
                     if "Unrecognized configuration class" not in str(e):
                         raise
                     model = transformers.AutoModel.from_config(config, attn_implementation="sdpa", dtype=dtype)
-    except (ValueError, ImportError) as e:
+    except Exception as e:  # (a config value transformers' model code cannot use: its own words, on one line)
+        detail = " ".join(str(e).split())
         raise ValueError(f"attnstash.plan: transformers {transformers.__version__} cannot build "
                          f"{getattr(config, 'model_type', type(config).__name__)} with attn_implementation=\"sdpa\": "
-                         f"{e}") from None
+                         f"{type(e).__name__}: {detail}") from None
     return model.train()
 
 
@@ -804,11 +831,9 @@ def main(argv=None):
     try:
         result = plan(args.config, args.batch, args.seq, dtype=args.dtype, device=args.device, budget=args.budget,
                       padded=args.padded, backend=args.backend, cuda_capability=_capability(args.sm))
-    except ValueError as e:
-        parser.error(str(e).removeprefix("attnstash.plan: "))
-    except RuntimeError as e:  # the shape-only forward failed: say so without a traceback
+    except (ValueError, RuntimeError) as e:  # a config it cannot read (2), a forward that failed (1): one line
         print(f"{parser.prog}: error: {str(e).removeprefix('attnstash.plan: ')}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ValueError) else 1
     print(result)
     return 0
 

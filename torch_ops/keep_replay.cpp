@@ -41,27 +41,41 @@ void check_keepable(const SdpaCall& c, const char* op) {
               "cuDNN derivatives do). Pass attn_mask.detach(), or do not stash this layer.");
 }
 
-// F.sdpa itself on meta tensors of the same sizes, strides and dtypes: raises the error
-// PyTorch gives for inputs it refuses (dtypes that differ, heads that do not divide, a
-// mask of the wrong shape or dtype, ...), without computing anything.
+// Raises the error F.scaled_dot_product_attention itself gives for inputs it refuses (dtypes that
+// differ or are not floating point, heads that do not divide, a mask of the wrong shape or dtype,
+// ...): F.sdpa on meta tensors of the same sizes, strides and dtypes finds them without computing
+// anything; then F.sdpa itself runs, so that its own message is the one raised.
 void validate_as_sdpa(const SdpaCall& c) {
   auto meta = [](const at::Tensor& t) {
     return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
   };
   std::optional<at::Tensor> mask;
   if (c.attn_mask.has_value()) mask = meta(*c.attn_mask);
-  at::scaled_dot_product_attention(meta(c.query), meta(c.key), meta(c.value), mask, c.dropout_p, c.is_causal, c.scale,
-                                   c.enable_gqa);
+  try {
+    at::scaled_dot_product_attention(meta(c.query), meta(c.key), meta(c.value), mask, c.dropout_p, c.is_causal,
+                                     c.scale, c.enable_gqa);
+  } catch (...) {  // (a meta kernel written in Python throws a Python error, not a c10::Error)
+    sdpa_plain(c);  // F.sdpa's own error (and if it runs after all, the meta check's)
+    throw;
+  }
 }
 
-// What F.sdpa checks of every call before it picks a backend, cheaply: dtypes and devices.
+// What F.sdpa checks of every call before it picks a backend, cheaply: dtypes, devices and the
+// mask's shape (broadcastable to [batch, heads, seq_q, seq_k]).
 bool plainly_valid(const SdpaCall& c) {
-  bool same = c.key.scalar_type() == c.query.scalar_type() && c.value.scalar_type() == c.query.scalar_type() &&
-              c.key.device() == c.query.device() && c.value.device() == c.query.device();
+  bool same = at::isFloatingType(c.query.scalar_type()) && c.key.scalar_type() == c.query.scalar_type() &&
+              c.value.scalar_type() == c.query.scalar_type() && c.key.device() == c.query.device() &&
+              c.value.device() == c.query.device();
   if (c.attn_mask.has_value()) {
-    at::ScalarType m = c.attn_mask->scalar_type();
-    same = same && c.attn_mask->device() == c.query.device() &&
-           (m == at::kBool || m == at::kFloat || m == c.query.scalar_type());
+    const at::Tensor& mask = *c.attn_mask;
+    at::ScalarType m = mask.scalar_type();
+    same = same && mask.device() == c.query.device() && (m == at::kBool || m == at::kFloat || m == c.query.scalar_type());
+    int64_t target[4] = {c.query.size(0), c.query.size(1), c.query.size(2), c.key.size(2)};
+    same = same && mask.dim() <= 4;
+    for (int64_t d = 1; same && d <= mask.dim(); ++d) {
+      int64_t size = mask.size(mask.dim() - d);
+      same = size == 1 || size == target[4 - d];
+    }
   }
   return same;
 }

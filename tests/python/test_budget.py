@@ -24,9 +24,25 @@ def per_layer_bytes(batch_size=2, seq=24, heads=4, head_dim=16):
 
 @pytest.mark.parametrize("text,count", [("8GiB", 8 * 2**30), ("512MB", 512 * 10**6), ("1.5 GB", 1_500_000_000),
                                         ("1024", 1024), ("64KiB", 65536), ("3kb", 3000), (0, 0), (7, 7),
-                                        (None, None)])
-def test_sizes_read_as_other_tools_read_them(text, count):
+                                        (None, None), ("2.01MB", 2_010_000), ("2.05GB", 2_050_000_000),
+                                        ("0.1KB", 100), ("1.0000001 GB", 1_000_000_100), ("0.5B", 0),
+                                        ("0." + "9" * 40 + "B", 0), ("1." + "0" * 40 + "1 TB", 10**12),
+                                        ("8EiB", None), (2**63 - 1, 2**63 - 1)])
+def test_sizes_read_as_other_tools_read_them_exactly(text, count):
+    if count is None and text is not None:  # 8 EiB is 2**63: one past the largest count
+        count = 2**63
+        with pytest.raises(ValueError, match="2\\*\\*63 - 1"):
+            attnstash.parse_bytes(text)
+        return
     assert attnstash.parse_bytes(text) == count
+
+
+@pytest.mark.parametrize("bad", [2**63, 2**64, "9" * 400, "1" + "0" * 30 + "TiB"])
+def test_a_count_that_does_not_fit_names_the_range(bad):
+    for parse in (attnstash.parse_bytes, attnstash.stash_set_max_bytes):
+        with pytest.raises(ValueError, match="from 0 to 2\\*\\*63 - 1"):
+            parse(bad)
+    assert attnstash.stash_max_bytes() is None
 
 
 @pytest.mark.parametrize("bad", [-1, True, False, "-3MB", "lots", "8 GiBs", "1e9", 1.5, [1]])
@@ -62,6 +78,37 @@ def test_the_budget_is_the_stashs_own_and_works_without_the_installer():
     assert attnstash.stash_stats()["bytes"] == 0 and ops.held_by_slot()[0] == (1, 0, 1)
     with torch.no_grad():
         ops.sdpa_replay(q, k, v, anchors[0], 0)
+
+
+def test_a_budget_set_by_an_install_ends_with_it(installed):
+    attnstash.stash_set_max_bytes("1MiB")
+    first, second = tiny_model("llama"), tiny_model("llama", seed=1)
+    attnstash.install_attention_stash(first, max_bytes=1)
+    assert attnstash.stash_max_bytes() == 1
+    attnstash.uninstall_attention_stash(first)
+    assert attnstash.stash_max_bytes() == 2**20  # the budget from before the install
+    installed(second)  # no max_bytes: nothing declined
+    declined = attnstash.stash_stats()["declined"]
+    ids = batch()
+    second(input_ids=ids, labels=ids).loss.backward()
+    assert attnstash.stash_stats()["declined"] == declined
+
+
+def test_overlapping_installs_nest_their_budgets():
+    a, b, c = (tiny_model("llama", seed=s) for s in range(3))
+    attnstash.install_attention_stash(a, max_bytes=100)
+    attnstash.install_attention_stash(b, max_bytes=200)
+    attnstash.install_attention_stash(c)  # no budget of its own: the one in force stays
+    assert attnstash.stash_max_bytes() == 200
+    attnstash.uninstall_attention_stash(a)  # ends while b's lasts: b's stays in force
+    assert attnstash.stash_max_bytes() == 200
+    attnstash.uninstall_attention_stash(b)  # the last of them: the budget from before a
+    assert attnstash.stash_max_bytes() is None
+    attnstash.install_attention_stash(a, max_bytes=300)
+    attnstash.stash_set_max_bytes(400)  # set by hand meanwhile: it stays after a ends
+    attnstash.uninstall_attention_stash(a)
+    assert attnstash.stash_max_bytes() == 400
+    attnstash.uninstall_attention_stash(c)
 
 
 @pytest.mark.parametrize("mode", MODES)

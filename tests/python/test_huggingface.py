@@ -528,3 +528,17 @@ def test_lora_dropout_with_the_random_state_restored_trains_bitwise(mode, instal
     model = make()
     installed(model)
     assert_bitwise_equal(step(model), reference)
+
+
+def test_a_transformers_that_no_longer_calls_the_checkpoint_function_is_named(monkeypatch, installed):
+    # As if a release checkpointed its layers another way: the stand-in sits under a name
+    # transformers does not call. The error says what was not reached, with the release, and
+    # does not claim that checkpointing is off.
+    monkeypatch.setattr(transformers_adapter, "NAME", "_a_name_transformers_does_not_call")
+    model = tiny_model("llama")
+    installed(model, 1)
+    msg = run_error(model)
+    assert f"transformers {transformers.__version__}" in msg and "_gradient_checkpointing_func" in msg
+    assert "with gradient_checkpointing on, but without calling its checkpoint function" in msg
+    assert "off" not in msg
+    assert attnstash.stash_stats()["entries"] == 0

@@ -364,3 +364,27 @@ def replicate(module):
         return r
 
     return copy(module)
+
+
+# ---- the training flag changed between a forward and its backward ----------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_model_eval_between_a_forward_and_its_backward(mode, installed):
+    # The recompute follows its first forward, whatever the training flag says by then.
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        ids = batch()
+        loss = model(input_ids=ids, labels=ids).loss
+        model.eval()
+        loss.backward()
+        model.train()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    base = checkpointed("llama", mode)
+    reference = step(clone(base))
+    model = clone(base)
+    installed(model)
+    keeps, replays = counts()
+    assert_bitwise_equal(step(model), reference)
+    assert counts() == (keeps + 3, replays + 3)
+    assert_nothing_held()

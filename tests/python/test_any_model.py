@@ -1,0 +1,182 @@
+"""The installer on models written in plain PyTorch (tiny_torch_models): a nanoGPT-style model
+that checkpoints its blocks itself (layers=), torch's checkpoint_wrapper (found by itself), a
+block with several attention calls, attention through a name imported before the install,
+the random-state check, a recompute after model.eval(), and the refusals. Each gives the
+normal recompute's loss and every gradient bitwise, with one keep and one replay per
+attention call, and nothing held after."""
+import copy
+
+import pytest
+import torch
+
+import attnstash
+from tiny_torch_models import Block, gpt, ids, loss_and_grads, wrapped
+from tiny_models import assert_bitwise_equal
+
+MODES = ("reentrant", "non-reentrant")
+
+
+def counters():
+    s = attnstash.stash_stats()
+    return s["keeps"], s["replays"]
+
+
+def assert_the_stash_gives_the_normal_recompute(base, installed, calls, **install):
+    """`base` trained once without and once with the stash (on a copy each): bitwise the same,
+    `calls` keeps and replays, nothing held."""
+    tokens = ids()
+    reference = loss_and_grads(copy.deepcopy(base), tokens)
+    assert_bitwise_equal(reference, loss_and_grads(copy.deepcopy(base), tokens))  # reproducible
+    model = copy.deepcopy(base)
+    stashed = installed(model, **install)
+    keeps, replays = counters()
+    assert_bitwise_equal(loss_and_grads(model, tokens), reference)
+    assert counters() == (keeps + calls, replays + calls)
+    assert attnstash.stash_stats()["entries"] == 0
+    return stashed
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_model_that_checkpoints_its_blocks_itself_with_the_block_class_named(mode, installed):
+    assert assert_the_stash_gives_the_normal_recompute(gpt(checkpointing=mode), installed, 3, layers=Block) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layers_named_as_modules_are_taken_in_model_order(mode, installed):
+    base = gpt(checkpointing=mode)
+    tokens = ids()
+    reference = loss_and_grads(copy.deepcopy(base), tokens)
+    model = copy.deepcopy(base)
+    assert installed(model, layers=[model.blocks[2], model.blocks[0]]) == [0, 1]  # indices among those named
+    assert attnstash.layer_stash_stats(model).keys() == {0, 1}
+    keeps, replays = counters()
+    assert_bitwise_equal(loss_and_grads(model, tokens), reference)
+    assert counters() == (keeps + 2, replays + 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_wrapper_layers_are_found_by_themselves(mode, installed):
+    base = wrapped(gpt(), mode)
+    stashed = assert_the_stash_gives_the_normal_recompute(base, installed, 3)
+    assert stashed == [0, 1, 2]
+    names = [name for _, name, _ in attnstash.attention_layers(base)]
+    assert names == [f"blocks.{i}._checkpoint_wrapped_module" for i in range(3)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_several_attention_calls_per_forward_are_each_kept_and_replayed(mode, installed):
+    base = gpt(checkpointing=mode, calls=3)
+    assert_the_stash_gives_the_normal_recompute(base, installed, 9, layers=Block)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_through_a_name_imported_before_the_install(mode, installed):
+    base = gpt(checkpointing=mode, by_name=True)
+    assert_the_stash_gives_the_normal_recompute(base, installed, 3, layers=Block)
+
+
+def test_num_layers_counts_from_the_last(installed):
+    base = gpt(checkpointing="reentrant", layers=4)
+    assert assert_the_stash_gives_the_normal_recompute(base, installed, 2, layers=Block, n=2) == [2, 3]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_before_attention_with_the_random_state_restored_trains_bitwise(mode, installed):
+    base = gpt(checkpointing=mode, dropout=0.3)
+    assert_the_stash_gives_the_normal_recompute(base, installed, 3, layers=Block)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_before_attention_without_the_random_state_restored_is_refused(mode, installed):
+    # preserve_rng_state=False, which the installer cannot see from inside a checkpoint it did
+    # not call: the recompute's random numbers differ, so its query, key and value do.
+    model = gpt(checkpointing=mode, dropout=0.3, preserve_rng_state=False)
+    installed(model, layers=Block)
+    with pytest.raises(attnstash.CheckpointingError, match="draws random numbers before its attention.*"
+                                                          "preserve_rng_state=True"):
+        loss_and_grads(model, ids())
+    assert attnstash.stash_stats()["entries"] == 0
+
+
+def test_dropout_after_attention_without_the_random_state_restored_is_the_user_s_own_business(installed):
+    # No random numbers before the attention: the kept output is the recompute's too, and the
+    # step is what checkpointing gives without the stash (checkpointing's own contract).
+    base = gpt(checkpointing="non-reentrant", preserve_rng_state=False)
+    for block in base.blocks:
+        block.mlp.insert(1, torch.nn.Dropout(0.3))
+    assert_the_stash_gives_the_normal_recompute(base, installed, 3, layers=Block)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_recompute_follows_its_first_forward_whatever_the_training_flag_says(mode, installed):
+    # model.eval() between a forward and its backward: the recompute still takes what its
+    # first forward kept.
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        tokens = ids()
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        model.eval()
+        loss.backward()
+        model.train()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    base = gpt(checkpointing=mode)
+    reference = step(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    installed(model, layers=Block)
+    keeps, replays = counters()
+    assert_bitwise_equal(step(model), reference)
+    assert counters() == (keeps + 3, replays + 3)
+
+
+def test_a_block_without_checkpointing_is_refused_with_the_reason(installed):
+    model = gpt(checkpointing=None)
+    installed(model, layers=Block)
+    with pytest.raises(attnstash.CheckpointingError, match=r"layer 0 \(blocks.0, Block\).*outside any activation "
+                                                          "checkpoint"):
+        loss_and_grads(model, ids())
+    with torch.no_grad():  # no training forward: untouched
+        model(ids())
+    model.eval()
+    model(ids())
+
+
+def test_a_layer_that_calls_no_attention_is_refused(installed):
+    model = gpt(checkpointing="non-reentrant")
+    installed(model, layers=[model.blocks[0].mlp])
+    with pytest.raises(attnstash.CheckpointingError, match=r"layer 0 \(blocks.0.mlp, Sequential\).*called no "
+                                                          "F.scaled_dot_product_attention"):
+        loss_and_grads(model, ids())
+
+
+@pytest.mark.parametrize("bad,words", [
+    (torch.nn.Conv1d, "GPT has no module of that class"),
+    (int, "must be a torch.nn.Module subclass"),
+    (42, "must be a torch.nn.Module subclass or an iterable"),
+    ([], "layers= is empty"),
+    ([torch.nn.Linear(2, 2)], "not a module of GPT"),
+    (["blocks.0"], "not a torch.nn.Module"),
+])
+def test_bad_layers_are_refused_with_what_was_expected(bad, words):
+    model = gpt()
+    with pytest.raises(attnstash.InstallError, match=words):
+        attnstash.install_attention_stash(model, layers=bad)
+    assert not any(hasattr(m, "_attnstash") for m in model.modules())
+
+
+def test_a_plain_model_without_layers_to_find_says_what_was_looked_for():
+    with pytest.raises(attnstash.InstallError, match="found no layers to stash in GPT: looked for .*checkpoint_wrapper"
+                                                     ".*Name them with layers="):
+        attnstash.install_attention_stash(gpt())
+
+
+def test_the_same_block_class_in_two_models_keeps_each_its_own(installed):
+    a, b = gpt(checkpointing="reentrant", seed=0), gpt(checkpointing="non-reentrant", seed=1)
+    tokens = ids()
+    ref_a, ref_b = loss_and_grads(copy.deepcopy(a), tokens), loss_and_grads(copy.deepcopy(b), tokens)
+    installed(a, layers=Block)
+    installed(b, layers=Block)
+    assert_bitwise_equal(loss_and_grads(a, tokens), ref_a)
+    assert_bitwise_equal(loss_and_grads(b, tokens), ref_b)
+    attnstash.uninstall_attention_stash(a)
+    assert_bitwise_equal(loss_and_grads(b, tokens), ref_b)
