@@ -12,7 +12,7 @@ import operator
 
 from .. import budget, ops
 from ..errors import InstallError
-from . import core, diffusers_adapter, torch_adapter, transformers_adapter
+from . import core, diffusers_adapter, routing, torch_adapter, transformers_adapter
 
 ADAPTERS = (transformers_adapter, diffusers_adapter, torch_adapter)  # asked in this order (layers=None)
 
@@ -97,7 +97,7 @@ def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=No
     with core._lock:
         done = []
         try:
-            core.patch_router()
+            routing.patch()
             if any(f.reach is core.CHECKPOINT_FUNCTION for _, f in chosen):
                 transformers_adapter.patch()
             token = None
@@ -122,7 +122,7 @@ _BUDGET = "_attnstash_budget"  # on the model: the install whose budget is in fo
 
 
 def _unpatch_if_unused():
-    if core.unpatch_router_if_unused():
+    if routing.unpatch_if_unused():
         transformers_adapter.unpatch()
 
 

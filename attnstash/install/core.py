@@ -2,7 +2,7 @@
 diffusers_adapter, torch_adapter) only find a model's layers; everything below holds for all.
 
 Layer. A stashed layer is a module whose forward an activation checkpoint runs. Its
-checkpointed forward is reached one of two ways (`Reach`):
+checkpointed forward is reached one of two ways (LayerStash.reach):
   - CHECKPOINT_FUNCTION: the model calls `checkpoint_function(fn, *args)` with the layer's
     forward as fn (transformers' `layer._gradient_checkpointing_func`); the stash stands in
     for that function (CheckpointCall), runs fn inside the checkpoint as a Run, and sees the
@@ -21,13 +21,12 @@ and version), which ties the recompute to its first forward (torch_ops/schemas.c
 
 Phase, frame and slots. Each forward of a stashed layer runs in a frame on its thread's
 stack (open_frame decides the phase; the ops decide again from what they see, by the rule in
-torch_ops/keep_replay.h). While any stash is installed, F.scaled_dot_product_attention is
-`route` (and so is every module-level name bound to it); inside a frame that keeps, its k-th
-call goes to attnstash::sdpa_fwd_keep with the frame's anchor at slot `layer base + k`, in call
-order, so that a layer may call attention any number of times; elsewhere it is
-F.scaled_dot_product_attention itself.
+torch_ops/keep_replay.h). Inside a frame that keeps, the k-th call of
+F.scaled_dot_product_attention (routing.py says how calls reach the frame) goes to
+attnstash::sdpa_fwd_keep with the frame's anchor at slot `layer base + k`, in call order, so that
+a layer may call attention any number of times. random_state.py checks that a recompute draws
+the random numbers its first forward drew before each call.
 """
-import functools
 import itertools
 import sys
 import threading
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..errors import CheckpointingError, KeepError, ReplayError, StashError
+from .random_state import Rng, preserves_rng
 
 ATTR = "_attnstash"  # the LayerStash, in a stashed layer's __dict__
 SLOT_BITS = 16       # a layer's slots: base + call index, for up to 2**16 calls per forward
@@ -48,8 +48,6 @@ _lock = threading.RLock()  # installs, uninstalls, and the patch of F.scaled_dot
 _live = weakref.WeakSet()   # every LayerStash in use (deep copies of models included)
 _bases = itertools.count(1)
 _tls = threading.local()    # .frames: the frames this thread runs, innermost last; .reached: see Run
-_SDPA = F.scaled_dot_product_attention  # torch's own
-_rebound = []               # [(module dict, name)] bound to `route` in place of _SDPA
 
 
 class Found(NamedTuple):
@@ -63,8 +61,7 @@ class Found(NamedTuple):
 
 class LayerStash:
     """One stashed layer: its index and name (for messages), how its checkpointed forward is
-    reached, whether its checkpoint restores the random state for the recompute (True, False or
-    None: cannot be seen), and its slots."""
+    reached, and its slots."""
     __slots__ = ("index", "name", "reach", "slot_base", "__weakref__")
 
     def __init__(self, index, name, reach):
@@ -110,42 +107,6 @@ def _active(stash):
     return any(frame.stash is stash for frame in getattr(_tls, "frames", ()))
 
 
-# ---- the router --------------------------------------------------------------------------------
-
-def route(*args, **kwargs):
-    """F.scaled_dot_product_attention while a stash is installed: inside the frame of a
-    stashed layer's forward that keeps, attnstash::sdpa_fwd_keep on the frame's anchor and next
-    slot; anywhere else (and while torch.compile traces) torch's own function."""
-    if torch.compiler.is_compiling():
-        return _SDPA(*args, **kwargs)
-    frames = getattr(_tls, "frames", None)
-    if not frames or not frames[-1].keep:
-        return _SDPA(*args, **kwargs)
-    return frames[-1].attend(*args, **kwargs)
-
-
-def _patch_sdpa():
-    """Make F.scaled_dot_product_attention, and every module-level name bound to it (code that
-    imported it by name before the install), `route`."""
-    if _rebound:
-        return
-    for module in list(sys.modules.values()):
-        names = getattr(module, "__dict__", None)
-        if not isinstance(names, dict) or module is torch._C._nn or names is globals():
-            continue
-        for name, value in list(names.items()):
-            if value is _SDPA:
-                names[name] = route
-                _rebound.append((names, name))
-
-
-def _unpatch_sdpa():
-    while _rebound:
-        names, name = _rebound.pop()
-        if names.get(name) is route:
-            names[name] = _SDPA
-
-
 # ---- frames ------------------------------------------------------------------------------------
 
 def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
@@ -157,7 +118,7 @@ class Frame:
     """One forward of a stashed layer on this thread: a first forward (which may keep) or a
     recompute (which replays). `limit`: the calls a recompute may route (its first forward's,
     where known). `rng`: the random state at the first forward's start, where the recompute's
-    must be checked (see _Rng)."""
+    must be checked (random_state.Rng)."""
     __slots__ = ("stash", "anchor", "keep", "first", "calls", "limit", "rng", "kept")
 
     def __init__(self, stash, anchor, keep, first, limit=None, rng=None):
@@ -194,7 +155,7 @@ class Frame:
             if record and reentrant:
                 self.kept.append(record)
             if record and noted is not None:
-                _Rng.note(record, noted)
+                Rng.note(record, noted)
         return out
 
 
@@ -206,7 +167,7 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None):
     grad = torch.is_grad_enabled()
     if in_backward():  # a recompute: it routes what its first forward routed
         keep = grad and limit != 0
-        return Frame(stash, anchor, keep, first=False, limit=limit, rng=_Rng.recompute() if keep else None)
+        return Frame(stash, anchor, keep, first=False, limit=limit, rng=Rng.recompute() if keep else None)
     hooks = _saved_tensor_hooks()
     if grad and not hooks:
         raise CheckpointingError(
@@ -223,7 +184,7 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None):
             "they give the recompute a copy of the layer input, so it could not find its kept output. Use "
             "non-reentrant checkpointing with offloading (use_reentrant=False), or turn offloading off.")
     return Frame(stash, anchor, reachable, first=True,
-                 rng=_Rng.first(anchor.device, preserves) if reachable and preserves is not True else None)
+                 rng=Rng.first(anchor.device, preserves) if reachable and preserves is not True else None)
 
 
 def close_frame(frame):
@@ -268,82 +229,6 @@ def release(records):
             ops.release(record)
         except Exception:  # interpreter shutdown: nothing left to release into
             pass
-
-
-# ---- random numbers ------------------------------------------------------------------------------
-
-class _Rng:
-    """The check that a recompute draws the random numbers its first forward drew before each
-    attention call (dropout before the projections, LoRA dropout): else its query, key and value
-    differ from the ones the kept output belongs to. Where the checkpoint is known to restore
-    the random state for its recompute (preserve_rng_state=True, torch's default), nothing is
-    checked. Where it is known not to (preserve_rng_state=False), a first forward that calls
-    attention after a draw (the state differs from the forward's start) is refused at once.
-    Where it cannot be seen, such a first forward notes the state the call was made in, and its
-    recompute must make that call in the same state: exactly the condition for having drawn the
-    same numbers."""
-    __slots__ = ("start", "refuse")
-    expected = {}  # record id -> the random state its first forward's call was made in
-
-    def __init__(self, start, refuse=False):
-        self.start, self.refuse = start, refuse
-
-    @classmethod
-    def first(cls, device, preserves):
-        return cls(_rng_state(device), refuse=preserves is False)
-
-    @classmethod
-    def recompute(cls):
-        return cls(None) if cls.expected else None
-
-    def before_call(self, frame, slot, device):
-        """A first forward's: the state to note for this call (None: nothing drawn since its
-        start). A recompute's: checks the state against the one noted."""
-        if frame.first:
-            now = _rng_state(device)
-            if torch.equal(now, self.start):
-                return None
-            if not self.refuse:
-                return now
-        else:
-            record = ops.entry_id(frame.anchor, slot)
-            want = _Rng.expected.pop(record, None) if record else None
-            if want is None or torch.equal(_rng_state(device), want):
-                return None
-        raise CheckpointingError(
-            f"attnstash: {frame.stash.name} draws random numbers before its attention (dropout, LoRA dropout, "
-            "...) and its checkpoint does not restore the random state for the recompute "
-            "(preserve_rng_state=False): the recompute's query, key and value would differ from the first forward's, "
-            "and the kept output would not match them. Checkpoint with preserve_rng_state=True (the default), "
-            "or do not stash this layer.")
-
-    @classmethod
-    def note(cls, record, state):
-        if len(cls.expected) > 64:  # forwards dropped without a recompute leave theirs behind
-            held = set(ops.held_ids())
-            for stale in [r for r in cls.expected if r not in held]:
-                cls.expected.pop(stale, None)
-        cls.expected[record] = state
-
-
-def _rng_state(device):
-    if device.type == "cpu":
-        return torch.get_rng_state()
-    return getattr(torch, device.type).get_rng_state(device)
-
-
-def preserves_rng(checkpoint_function):
-    """Whether a checkpoint function is seen to restore the random state for its recompute:
-    torch.utils.checkpoint.checkpoint, or a functools.partial of it (how transformers and
-    diffusers make theirs), with preserve_rng_state left True. False where it is seen not to;
-    None where it cannot be seen."""
-    fn, keywords = checkpoint_function, {}
-    while isinstance(fn, functools.partial):
-        keywords = {**fn.keywords, **keywords}
-        fn = fn.func
-    if not keywords.get("preserve_rng_state", True):
-        return False
-    return True if fn is torch.utils.checkpoint.checkpoint else None
 
 
 # ---- how a stashed layer's forwards get their frames ---------------------------------------------
@@ -509,21 +394,6 @@ def detach(layer):
             layer.__dict__["forward"] = forward.previous
     if stash is not None:
         _live.discard(stash)
-
-
-def patch_router():
-    _patch_sdpa()
-
-
-def unpatch_router_if_unused():
-    """Once no stash is in use (models dropped without an uninstall are collected first),
-    F.scaled_dot_product_attention is torch's own again. Returns whether it is."""
-    if _live:
-        import gc
-        gc.collect()
-    if not _live:
-        _unpatch_sdpa()
-    return not _live
 
 
 def held_by_layer(stash, held):
