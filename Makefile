@@ -28,7 +28,7 @@ BUILD_DIR ?= build/$(notdir $(VENV))
 PYTEST_ARGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all venv gtest build demo bench test test-cpp test-python print-hf-tests hf-venvs test-hf-also sweep torch-matrix transformers-matrix sanitize clean
+.PHONY: all venv gtest build demo bench test test-cpp test-python print-hf-tests hf-venvs test-hf-also test-timm sweep torch-matrix transformers-matrix sanitize clean
 all: test
 
 venv:
@@ -91,7 +91,26 @@ ifndef NO_VENV
 	done; exit $$rc
 endif
 
-test: test-cpp test-python test-hf-also
+# timm needs torchvision, which does not import next to the CPU torch 2.13: its tests run in a
+# venv of their own with the torch and torchvision on disk (torch 2.14.1 is in the supported
+# range), attnstash built for that torch and installed there (not in place: the tree's own build
+# stays the main venv's), from outside the tree so that the installed one is imported.
+TIMM_VENV ?= .venv-timm
+TIMM_REQUIREMENTS ?= torch==2.14.1 torchvision==0.29.1 timm==1.0.31 pytest==9.2.0 numpy==2.4.6 setuptools==80.9.0 wheel==0.45.1
+test-timm: gtest
+ifndef NO_VENV
+	@test -x $(TIMM_VENV)/bin/python || $(BOOTSTRAP_PYTHON) -m venv $(TIMM_VENV)
+	@if [ "$$(cat $(TIMM_VENV)/.attnstash-requirements 2>/dev/null)" != '$(TIMM_REQUIREMENTS)' ]; then \
+	  echo "== installing into $(TIMM_VENV): $(TIMM_REQUIREMENTS)"; \
+	  $(TIMM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(TIMM_REQUIREMENTS) && \
+	  echo '$(TIMM_REQUIREMENTS)' > $(TIMM_VENV)/.attnstash-requirements; \
+	fi
+	ATTNSTASH_BUILD_DIR=$(abspath build/$(notdir $(TIMM_VENV))) CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
+	  $(TIMM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps .
+	cd $(TIMM_VENV) && bin/python -m pytest $(CURDIR)/tests/python/test_timm.py -q -p no:cacheprovider $(PYTEST_ARGS)
+endif
+
+test: test-cpp test-python test-hf-also test-timm
 
 # The supported-model sweep: every model type of each transformers (the pinned one and HF_ALSO),
 # built tiny, trained with and without the stash; out/sweep-<version>/.

@@ -1,8 +1,9 @@
 """The per-rank side of test_distributed.py.
 
 Each spawned process joins one gloo group and runs the scenarios it is given in order
-(DDP or FSDP2 over a tiny Hugging Face model, DeepSpeed ZeRO-3 over a PEFT-LoRA one), all
-with reentrant gradient checkpointing. A scenario trains its own model copy three times
+(DDP or FSDP2 over a tiny Hugging Face model with reentrant gradient checkpointing, FSDP2 over a
+torchtitan-style plain-PyTorch one with checkpoint_wrapper, DeepSpeed ZeRO-3 over a PEFT-LoRA
+one). A scenario trains its own model copy three times
 from the same seed: without the stash, again without it, and with the stash on every
 decoder layer. The rank saves what it saw to <out_dir>/<scenario>.rank<N>.pt, or the
 traceback to <scenario>.rank<N>.error, and the parent asserts on those files.
@@ -24,7 +25,7 @@ if HERE not in sys.path:
 
 STEPS = 3
 LAYERS = 3
-TORCH_SCENARIOS = ("ddp-llama", "ddp-qwen3_moe", "fsdp2-llama", "fsdp2-qwen3_moe")
+TORCH_SCENARIOS = ("ddp-llama", "ddp-qwen3_moe", "fsdp2-llama", "fsdp2-qwen3_moe", "fsdp2-torchtitan")
 DEEPSPEED_SCENARIO = "deepspeed_zero3_lora-llama"
 
 
@@ -104,6 +105,38 @@ def _train_torch(wrapper, arch, stash, rank):
     return {"losses": losses, "grads": grads, "params": params, **stats}
 
 
+def _train_torchtitan(stash, rank):
+    """A plain-PyTorch decoder as torchtitan trains one: each block wrapped by checkpoint_wrapper
+    (non-reentrant), then fully_shard on each wrapped block and on the model; the stash
+    installed before, finding the wrapped blocks by itself."""
+    import attnstash
+    from torch.distributed.fsdp import fully_shard
+    from tiny_torch_models import gpt, ids, wrapped
+
+    model = wrapped(gpt(layers=LAYERS, seed=0))
+    if stash:
+        assert attnstash.install_attention_stash(model) == list(range(LAYERS))
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = attnstash.stash_stats()
+    losses, grads = [], []
+    for step in range(STEPS):
+        tokens = ids(seed=1000 + 100 * step + rank)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        opt.step()
+    stats = _stats_since(before)
+    params = {n: _full(p) for n, p in model.named_parameters()}
+    if stash:
+        attnstash.uninstall_attention_stash(model)
+    return {"losses": losses, "grads": grads, "params": params, **stats}
+
+
 # ---- DeepSpeed ZeRO-3 with PEFT LoRA -------------------------------------------------------
 
 def _deepspeed():
@@ -169,6 +202,8 @@ def _train(scenario, stash, rank):
     wrapper, arch = scenario.split("-")
     if wrapper == "deepspeed_zero3_lora":
         return _train_deepspeed(arch, stash, rank)
+    if arch == "torchtitan":
+        return _train_torchtitan(stash, rank)
     return _train_torch(wrapper, arch, stash, rank)
 
 

@@ -1,5 +1,6 @@
-"""The stash under torch.distributed (gloo, 2 processes on CPU): DDP, FSDP2 and (when
-installed) DeepSpeed ZeRO-3 training with reentrant checkpointing gives every rank the
+"""The stash under torch.distributed (gloo, 2 processes on CPU): DDP, FSDP2 (of a Hugging Face
+model and of a torchtitan-style plain-PyTorch one) and (when installed) DeepSpeed ZeRO-3
+training gives every rank the
 same losses, gradients and parameters with the stash on all decoder layers as without
 it, bitwise, and every rank ends with an empty stash.
 
@@ -122,6 +123,11 @@ def test_ddp_training_with_the_stash_matches_without_on_every_rank(arch, ranks_r
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 def test_fsdp2_training_with_the_stash_matches_without_on_every_rank(arch, ranks_ran):
     assert_the_stash_changes_nothing(results_of(ranks_ran, f"fsdp2-{arch}"))
+
+
+def test_fsdp2_training_of_a_torchtitan_style_model_with_the_stash_matches_without_on_every_rank(ranks_ran):
+    # Blocks wrapped by torch's checkpoint_wrapper, then fully_shard: the installer finds them.
+    assert_the_stash_changes_nothing(results_of(ranks_ran, "fsdp2-torchtitan"))
 
 
 @pytest.mark.skipif(not HAVE_DEEPSPEED, reason="deepspeed (and peft) not installed: pip install deepspeed==0.19.8")
