@@ -31,32 +31,22 @@ import itertools
 import sys
 import threading
 import weakref
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .. import ops
 from ..errors import CheckpointingError, KeepError, ReplayError, StashError
+from .layers import CHECKPOINT_FUNCTION
 from .random_state import Rng, preserves_rng
 
 ATTR = "_attnstash"  # the LayerStash, in a stashed layer's __dict__
 SLOT_BITS = 16       # a layer's slots: base + call index, for up to 2**16 calls per forward
-CHECKPOINT_FUNCTION, MODULE_CALL = "checkpoint function", "module call"
 
 _lock = threading.RLock()  # installs, uninstalls, and the patch of F.scaled_dot_product_attention
 _live = weakref.WeakSet()   # every LayerStash in use (deep copies of models included)
 _bases = itertools.count(1)
 _tls = threading.local()    # .frames: the frames this thread runs, innermost last; .reached: see Run
-
-
-class Found(NamedTuple):
-    """A layer an adapter found: the module, its name in the model, whether it is one to stash
-    (it has attention, and is checkpointed where that can be seen), and how it is reached."""
-    module: torch.nn.Module
-    name: str
-    stashable: bool
-    reach: str
 
 
 class LayerStash:
@@ -293,6 +283,13 @@ def _library_of(layer):
     top = type(layer).__module__.split(".")[0]
     version = getattr(sys.modules.get(top), "__version__", None)
     return f"{top} {version}" if version else top
+
+
+def stand_in(layer, checkpoint):
+    """What a layer reads as its checkpoint function (transformers_adapter.patch): a
+    CheckpointCall for a stashed layer, the function itself for any other."""
+    stash = layer.__dict__.get(ATTR)
+    return checkpoint if stash is None else CheckpointCall(stash, checkpoint)
 
 
 class CheckpointCall:

@@ -8,7 +8,7 @@ inside loops over its ModuleLists; which collections those are is read from the 
 (the loop that binds the block: `for block in self.transformer_blocks`, `zip(...)`, `enumerate(...)`,
 nested loops, a local alias). A block has attention if it holds a diffusers attention module or
 a module class that calls F.scaled_dot_product_attention. The default checkpoint function
-checkpoints the block's module call (core.MODULE_CALL).
+checkpoints the block's module call (MODULE_CALL).
 """
 import ast
 import functools
@@ -18,7 +18,8 @@ import textwrap
 
 import torch
 
-from . import core, torch_adapter
+from . import torch_adapter
+from .layers import Found, MODULE_CALL
 
 CALL = "_gradient_checkpointing_func"
 _ANY = "*"  # a path step: every item of the collection
@@ -39,7 +40,7 @@ def find(model):
                 if isinstance(block, torch.nn.Module):
                     blocks[id(block)] = block
     order = {id(m): i for i, m in enumerate(model.modules())}
-    found = [core.Found(b, names.get(id(b), ""), has_attention(b), core.MODULE_CALL)
+    found = [Found(b, names.get(id(b), ""), has_attention(b), MODULE_CALL)
              for b in sorted(blocks.values(), key=lambda b: order.get(id(b), 0))]
     return found or None
 

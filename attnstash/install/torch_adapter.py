@@ -5,7 +5,7 @@ torch.distributed.algorithms._checkpoint.checkpoint_wrapper, as torchtitan and F
 apply it), in the order of model.modules(). A layer has attention if one of its module classes
 calls F.scaled_dot_product_attention (read from the class's source) or is
 torch.nn.MultiheadAttention. Layers the user names (layers=: a module class, or modules) are
-taken as given. Either way the checkpoint runs the layer module itself (core.MODULE_CALL).
+taken as given. Either way the checkpoint runs the layer module itself (MODULE_CALL).
 """
 import functools
 import inspect
@@ -13,7 +13,7 @@ import inspect
 import torch
 
 from ..errors import InstallError
-from . import core
+from .layers import Found, MODULE_CALL
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,8 +50,8 @@ def find(model):
     wrapper = _wrapper_class()
     if wrapper is None:
         return None
-    found = [core.Found(m._checkpoint_wrapped_module, f"{name}._checkpoint_wrapped_module" if name else
-                        "_checkpoint_wrapped_module", has_attention(m._checkpoint_wrapped_module), core.MODULE_CALL)
+    found = [Found(m._checkpoint_wrapped_module, f"{name}._checkpoint_wrapped_module" if name else
+                        "_checkpoint_wrapped_module", has_attention(m._checkpoint_wrapped_module), MODULE_CALL)
              for name, m in model.named_modules() if isinstance(m, wrapper)]
     return found or None
 
@@ -87,7 +87,7 @@ def named(model, layers, reach):
             raise InstallError("attnstash: layers= is empty.")
         order = {id(m): i for i, m in enumerate(model.modules())}
         modules.sort(key=lambda m: order[id(m)])
-    return [core.Found(m, names[id(m)], True, reach(m) or core.MODULE_CALL) for m in modules]
+    return [Found(m, names[id(m)], True, reach(m) or MODULE_CALL) for m in modules]
 
 
 def describe(model):

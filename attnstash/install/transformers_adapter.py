@@ -19,7 +19,7 @@ import sys
 import torch
 
 from ..errors import InstallError, UnsupportedVersionError
-from . import core
+from .layers import CHECKPOINT_FUNCTION, Found
 
 SUPPORTED = ((4, 57), (5, 24))
 """The transformers releases attnstash was checked on, oldest and newest (major, minor):
@@ -108,7 +108,7 @@ def _own_modules(layer, layer_class):
 
 
 def find(model):
-    """[core.Found] for a transformers model (a PEFT wrapper of one will do), or None if it has
+    """[Found] for a transformers model (a PEFT wrapper of one will do), or None if it has
     no GradientCheckpointingLayer."""
     transformers = sys.modules.get("transformers")
     if transformers is None:
@@ -118,8 +118,8 @@ def find(model):
     layer_class = _layer_class()
     if layer_class is None:
         return None
-    found = [core.Found(module, name, any(_class_has_attention(type(m)) for m in _own_modules(module, layer_class)),
-                        core.CHECKPOINT_FUNCTION)
+    found = [Found(module, name, any(_class_has_attention(type(m)) for m in _own_modules(module, layer_class)),
+                        CHECKPOINT_FUNCTION)
              for name, module in model.named_modules() if isinstance(module, layer_class)]
     if not found:
         return None
@@ -143,7 +143,7 @@ def reach(module):
     if layer_class is not None and isinstance(module, layer_class):
         check_version()
         _check_layer(module)
-        return core.CHECKPOINT_FUNCTION
+        return CHECKPOINT_FUNCTION
     return None
 
 
@@ -160,8 +160,12 @@ def describe(model):
 
 class _CheckpointFunctionSlot:
     """GradientCheckpointingLayer._gradient_checkpointing_func while a transformers layer is
-    stashed: each layer keeps its own value in its __dict__, as without it; a stashed layer
-    reads a core.CheckpointCall standing in for that value."""
+    stashed: each layer keeps its own value in its __dict__, as without it, and reads
+    stand_in(layer, value): the installer's stand-in for a stashed layer, the value itself for
+    any other."""
+
+    def __init__(self, stand_in):
+        self.stand_in = stand_in
 
     def __get__(self, layer, owner=None):
         if layer is None:
@@ -170,8 +174,7 @@ class _CheckpointFunctionSlot:
             value = layer.__dict__[NAME]
         except KeyError:
             raise AttributeError(f"'{type(layer).__name__}' object has no attribute '{NAME}'") from None
-        stash = layer.__dict__.get(core.ATTR)
-        return value if stash is None or value is None else core.CheckpointCall(stash, value)
+        return value if value is None else self.stand_in(layer, value)
 
     def __set__(self, layer, value):
         layer.__dict__[NAME] = value
@@ -183,10 +186,11 @@ class _CheckpointFunctionSlot:
             raise AttributeError(NAME) from None
 
 
-def patch():
+def patch(stand_in):
+    """Layers read their checkpoint function through stand_in(layer, value) (core.stand_in)."""
     layer_class = check_version()
     if not isinstance(vars(layer_class).get(NAME), _CheckpointFunctionSlot):
-        setattr(layer_class, NAME, _CheckpointFunctionSlot())
+        setattr(layer_class, NAME, _CheckpointFunctionSlot(stand_in))
 
 
 def unpatch():

@@ -1,0 +1,109 @@
+"""install_attention_stash and its undoing: the layers find_layers gives, stashed by core.py's
+rules (see the package's docstring)."""
+from .. import budget, ops
+from ..errors import InstallError
+from . import core, routing, transformers_adapter
+from .layers import CHECKPOINT_FUNCTION, find_layers, layer_count
+
+
+def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=None):
+    """Stash the attention of a model's last `num_layers` attention layers.
+
+    Args:
+        model: any torch.nn.Module trained with activation checkpointing, reentrant or not: a
+            transformers model (attn_implementation="sdpa"; a PEFT wrapper of one will do), a
+            diffusers model, a model whose layers torch's checkpoint_wrapper wraps, or any model
+            with `layers=`.
+        num_layers: how many attention layers to stash, counted from the last in the order of
+            model.modules() (layers without attention, such as Mamba layers, are not counted);
+            None: all. An int between 1 and the number of attention layers.
+        layers: None to find the layers (README.md, "Which layers"), or the checkpointed layers
+            themselves: a module class (its instances) or an iterable of the model's modules.
+        max_bytes: a budget for as long as this install lasts (an int or a string such as
+            "8GiB", attnstash.parse_bytes); its uninstall gives back the budget it replaced.
+            None leaves the budget as it is. What a budget does: csrc/stash_registry.h, Budget.
+
+    Returns:
+        The indices of the stashed layers among the layers found (find_layers).
+
+    Raises:
+        InstallError (a ValueError) for a model, layers or argument it cannot serve;
+        UnsupportedVersionError for a transformers or diffusers outside the supported range. On
+        any error nothing is installed.
+    """
+    count_wanted = layer_count(num_layers)
+    limit = budget.parse_bytes(max_bytes)
+    found = find_layers(model, layers)
+    candidates = [(i, f) for i, f in enumerate(found) if f.stashable]
+    if not candidates:
+        raise InstallError(f"attnstash: none of the {len(found)} layers found in {type(model).__name__} has attention "
+                           "(a module that calls F.scaled_dot_product_attention) and is checkpointed; name the "
+                           "layers with layers=.")
+    count = len(candidates) if count_wanted is None else count_wanted
+    if not 1 <= count <= len(candidates):
+        raise InstallError(f"attnstash: num_layers must be between 1 and the {len(candidates)} attention layers of "
+                           f"{type(model).__name__} (or None for all), got {num_layers}.")
+    chosen = candidates[len(candidates) - count:]
+    for index, f in chosen:
+        if core.stash_of(f.module) is not None:
+            raise InstallError(f"attnstash: layer {index} ({f.name}) of {type(model).__name__} already has the "
+                               "stash; call uninstall_attention_stash(model) before installing again.")
+    with core._lock:
+        done = []
+        try:
+            routing.patch()
+            if any(f.reach is CHECKPOINT_FUNCTION for _, f in chosen):
+                transformers_adapter.patch(core.stand_in)
+            token = None
+            for index, f in chosen:
+                stash = core.attach(f.module, index, f"layer {index} ({f.name or 'the model'}, "
+                                    f"{type(f.module).__name__})", f.reach)
+                done.append(f.module)
+                token = token or stash
+            if limit is not None:
+                budget.push(token, limit)
+                model.__dict__[_BUDGET] = token
+            ops.stash_reset_peak()  # so that peak_bytes tells about the installed run
+        except BaseException:
+            for module in done:
+                core.detach(module)
+            _unpatch_if_unused()
+            raise
+    return [index for index, _ in chosen]
+
+
+_BUDGET = "_attnstash_budget"  # on the model: the install whose budget is in force while it lasts
+
+
+def _unpatch_if_unused():
+    if routing.unpatch_if_unused():
+        transformers_adapter.unpatch()
+
+
+def _stashed(model):
+    return [(m, core.stash_of(m)) for m in model.modules() if core.stash_of(m) is not None]
+
+
+def uninstall_attention_stash(model):
+    """Undo install_attention_stash for this model (or a deep copy of one): its layers are as
+    they were, other models keep their installs, its budget ends (the one it replaced is back),
+    and once no model has the stash F.scaled_dot_product_attention is torch's own again. What the
+    model's forwards still hold is released with their graphs. Raises InstallError if the model
+    has no stash."""
+    with core._lock:
+        stashed = _stashed(model)
+        if not stashed:
+            raise InstallError(f"attnstash: {type(model).__name__} has no attention stash installed.")
+        for module, _ in stashed:
+            core.detach(module)
+        token = model.__dict__.pop(_BUDGET, None)
+        if token is not None:
+            budget.pop(token)
+        _unpatch_if_unused()
+
+
+def layer_stash_stats(model):
+    """{layer index: Held(entries, bytes, declined)} held now for this model's stashed layers:
+    records (kept or declined), bytes, and how many of those records the budget declined."""
+    held = ops.held_by_slot()
+    return {stash.index: core.held_by_layer(stash, held) for _, stash in _stashed(model)}

@@ -1,0 +1,60 @@
+"""Which layers of a model the installer considers, asked of one adapter per kind of model
+(transformers_adapter.py, diffusers_adapter.py, torch_adapter.py). Nothing here needs the
+compiled ops: the planner reads it too."""
+import operator
+from typing import NamedTuple
+
+import torch
+
+from ..errors import InstallError
+
+CHECKPOINT_FUNCTION, MODULE_CALL = "checkpoint function", "module call"  # how a layer is reached: core.py
+
+
+class Found(NamedTuple):
+    """A layer an adapter found: the module, its name in the model, whether it is one to stash
+    (it has attention, and is checkpointed where that can be seen), and how it is reached."""
+    module: torch.nn.Module
+    name: str
+    stashable: bool
+    reach: str
+
+
+from . import diffusers_adapter, torch_adapter, transformers_adapter  # noqa: E402 (they use Found)
+
+ADAPTERS = (transformers_adapter, diffusers_adapter, torch_adapter)  # asked in this order (layers=None)
+
+
+def layer_count(num_layers):
+    """num_layers as an int (what operator.index accepts, bools refused) or None; InstallError
+    otherwise. Whether it fits the model is install_attention_stash's to check."""
+    if num_layers is None:
+        return None
+    if isinstance(num_layers, bool):
+        raise InstallError(f"attnstash: num_layers must be an int or None, got the bool {num_layers!r}.")
+    try:
+        return operator.index(num_layers)
+    except TypeError:
+        raise InstallError(f"attnstash: num_layers must be an int or None, got {type(num_layers).__name__} "
+                           f"{num_layers!r}.") from None
+
+
+def find_layers(model, layers=None):
+    """[core.Found] for every layer of the model the installer would consider, in the order of
+    model.modules(); their indices are the ones install_attention_stash returns."""
+    if layers is not None:
+        return torch_adapter.named(model, layers, transformers_adapter.reach)
+    for adapter in ADAPTERS:
+        found = adapter.find(model)
+        if found:
+            return found
+    raise InstallError(
+        f"attnstash: found no layers to stash in {type(model).__name__}: looked for "
+        + "; for ".join(adapter.describe(model) for adapter in ADAPTERS)
+        + ". Name them with layers= (a module class, or the modules its checkpoint calls).")
+
+
+def attention_layers(model, layers=None):
+    """[(index, name, module)] of the layers install_attention_stash(model, layers=layers)
+    counts: those with attention (and, where it can be seen, checkpointed)."""
+    return [(i, f.name, f.module) for i, f in enumerate(find_layers(model, layers)) if f.stashable]
