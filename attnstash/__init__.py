@@ -38,7 +38,7 @@ _EXPORTS = {
     "parse_bytes": "budget", "stash_set_max_bytes": "budget", "stash_max_bytes": "budget",
     "install_attention_stash": "install", "uninstall_attention_stash": "install",
     "layer_stash_stats": "install", "attention_layers": "install",
-    "AttentionStashCallback": "integrations.trainer", "plan": "plan",
+    "AttentionStashCallback": "integrations.trainer", "plan": "planner",
 }
 _WITHOUT_OPS = {"parse_bytes", "plan"}  # usable when the ops cannot load
 

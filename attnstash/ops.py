@@ -173,7 +173,7 @@ torch.library.register_fake("attnstash::sdpa_replay")(_fake_output)
 @torch.library.register_fake("attnstash::_replay_take")
 def _replay_take_fake(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     row = _fake_row(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    out, lse, extra = row.forward(query, key, value, backends.fused_mask(attn_mask, query, row), is_causal, scale)
+    out, lse, extra = row.forward(query, key, value, backends.as_fused_mask(attn_mask, query), is_causal, scale)
     return out, lse, torch.empty(4, dtype=torch.long, device="cpu"), extra
 
 
@@ -181,5 +181,5 @@ def _replay_take_fake(query, key, value, anchor, slot, attn_mask, dropout_p, is_
 def _replay_backward_fake(grad, query, key, value, attn_mask, output, logsumexp, info, extra, dropout_p, is_causal,
                           scale, enable_gqa):
     row = _fake_row(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return row.backward(grad, query, key, value, backends.fused_mask(attn_mask, query, row), output, logsumexp, extra,
+    return row.backward(grad, query, key, value, backends.as_fused_mask(attn_mask, query), output, logsumexp, extra,
                         is_causal, scale)

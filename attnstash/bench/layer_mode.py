@@ -183,8 +183,8 @@ class LayerBench:
         return backends.chosen_backend(*self.qkv, None, 0.0, **sdpa_flags(self.shape)).name
 
     def predicted_kept_bytes(self):
-        """attnstash.backends.kept_bytes for the layer's attention call (None: not kept)."""
-        return backends.kept_bytes(*self.qkv, None, **sdpa_flags(self.shape))[0]
+        """attnstash.backends.kept_bytes_of_call for the layer's attention call (None: not kept)."""
+        return backends.kept_bytes_of_call(*self.qkv, None, **sdpa_flags(self.shape))
 
     def runner(self, config):
         def setup():

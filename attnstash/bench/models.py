@@ -16,8 +16,8 @@ runs every forward under torch.autocast(device, dtype=amp): the attention then r
 stash keeps, in the autocast dtype (the ops cast their inputs as F.sdpa does).
 
 What the stash keeps and which SDPA ops it runs are attnstash.backends' table, not formulas
-written here: sac_ops() lists the rows' forward ops, kept_bytes_per_layer() asks
-attnstash.backends.kept_bytes.
+written here: sac_ops() lists the rows' forward ops, kept_bytes_per_layer() evaluates a row's
+forward on meta tensors.
 """
 import contextlib
 import dataclasses
@@ -241,35 +241,26 @@ def sdpa_backend(shape):
 
 def kept_bytes_per_layer(shape, backend=None):
     """(bytes, description) the stash keeps for one layer and micro-batch, or (None, why)
-    for a backend it cannot keep.
+    for a backend it cannot keep: the output, log-sum-exp and extras the kept backend's forward
+    returns (attnstash.backends, as torch_ops/stash_entries.cpp counts them), each with the shape
+    PyTorch's meta function gives it.
 
-    backend None: attnstash.backends.kept_bytes for the call a layer makes at this shape on
-    this device (the backend F.sdpa picks there; what torch_ops/stash_entries.cpp counts).
-    A backend name ("CUDNN_ATTENTION", "FLASH_ATTENTION", ...): that backend's row for this
-    device type, evaluated on meta tensors, to predict for a device this machine lacks. The
-    description lists each kept tensor with the shape PyTorch's meta function gives it."""
+    backend None: the backend F.sdpa picks at this shape on this device. A backend name
+    ("CUDNN_ATTENTION", "FLASH_ATTENTION", ...): that backend's row for this device type, to
+    predict for a device this machine lacks."""
+    from torch.nn.attention import SDPBackend
     flags = _sdpa_flags(shape)
-    if backend is None:
-        total, row = backends.kept_bytes(*attention_inputs(shape), None, **flags)
-        if row is None:
-            return None, f"the stash does not keep the {sdpa_backend(shape)} backend"
-    else:
-        from torch.nn.attention import SDPBackend
-        choice = getattr(SDPBackend, backend, None)
-        row = None if choice is None else backends.kept_backend(shape.device, choice)
-        if row is None:
-            return None, f"the stash does not keep the {backend} backend on {shape.device}"
-        total = None
+    name = backend or sdpa_backend(shape)
+    choice = getattr(SDPBackend, name, None)
+    row = None if choice is None else backends.kept_backend(shape.device, choice)
+    if row is None:
+        return None, f"the stash does not keep the {name} backend on {shape.device}"
     q, k, v = attention_inputs(shape, device="meta")
     out, lse, extras = row.forward(q, k, v, None, flags["is_causal"], flags["scale"])
     names = ("output", "log-sum-exp") + row.extra_names + tuple(
         f"extra {i}" for i in range(len(row.extra_names), len(extras)))
     named = [(n, t) for n, t in zip(names, [out, lse, *extras]) if isinstance(t, torch.Tensor)]
-    counted = sum(t.numel() * t.element_size() for _, t in named)
-    if total is None:
-        total = counted
-    elif total != counted:  # the table and its own meta evaluation disagree: say so rather than hide it
-        return total, f"per layer = {total:,} bytes (attnstash.backends.kept_bytes; the terms add up to {counted:,})"
+    total = sum(t.numel() * t.element_size() for _, t in named)
     terms = " + ".join(f"{n} {list(t.shape)} {str(t.dtype)[6:]} ({t.numel() * t.element_size():,})"
                        for n, t in named)
     return total, f"per layer = {terms} = {total:,} bytes ({row.name}; shapes from PyTorch's meta functions)"

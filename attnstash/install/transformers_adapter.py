@@ -80,7 +80,7 @@ def _layer_class():
 # ---- which layers ------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _class_has_attention(cls):
+def class_has_attention(cls):
     """Whether a module class (or a transformers base class of it) calls attention: the
     registry ALL_ATTENTION_FUNCTIONS or F.scaled_dot_product_attention."""
     for klass in cls.__mro__:
@@ -118,7 +118,7 @@ def find(model):
     layer_class = _layer_class()
     if layer_class is None:
         return None
-    found = [Found(module, name, any(_class_has_attention(type(m)) for m in _own_modules(module, layer_class)),
+    found = [Found(module, name, any(class_has_attention(type(m)) for m in _own_modules(module, layer_class)),
                         CHECKPOINT_FUNCTION)
              for name, module in model.named_modules() if isinstance(module, layer_class)]
     if not found:

@@ -1,4 +1,4 @@
-"""attnstash.plan: the bytes it predicts per attention layer are the bytes the stash then
+"""attnstash.plan (attnstash/planner): the bytes it predicts per attention layer are the bytes the stash then
 holds, on tiny Hugging Face models (dense, grouped K/V, mixture of experts, a Mamba hybrid,
 MLA), fp32 and bf16, with and without padding; the layers that fit a budget are the ones
 install_attention_stash keeps under that budget; the command prints the table for the
@@ -19,9 +19,10 @@ from torch.overrides import TorchFunctionMode
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import attnstash
-import attnstash.plan
 from attnstash import backends
-from attnstash.plan import StashPlan, load_config, main, plan
+from attnstash.planner import StashPlan, cuda_rules, plan
+from attnstash.planner.__main__ import main
+from attnstash.planner.sources import read_config
 from tiny_models import VOCAB, tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -107,7 +108,7 @@ ARCHS = ["llama", "qwen2", "mixtral", "qwen3_moe", "bamba", "deepseek_v3_equal_d
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_plan_is_what_the_stash_holds_after_a_training_forward(arch, dtype, padded):
     model = model_of(arch, dtype)
-    predicted = plan(model, 3, 24, padded=padded)
+    predicted = plan(model, batch_size=3, seq_len=24, padded=padded)
     assert predicted.device == "cpu" and predicted.dtype == dtype
     held, declined = measured(model, padded)
     assert declined == 0
@@ -115,12 +116,12 @@ def test_the_plan_is_what_the_stash_holds_after_a_training_forward(arch, dtype, 
     assert all(b > 0 for b in held.values())
     assert predicted.total_bytes == sum(held.values())
     # From the config alone, the same.
-    assert plan(config_of(arch), 3, 24, dtype=dtype, device="cpu", padded=padded).per_layer_bytes == held
+    assert plan(config_of(arch), batch_size=3, seq_len=24, dtype=dtype, device="cpu", padded=padded).per_layer_bytes == held
 
 
 def test_a_hybrid_counts_only_its_attention_layers():
-    p = plan(config_of("bamba"), 3, 24, dtype="fp32", device="cpu")
-    assert p.decoder_layers == 4 and list(p.per_layer_bytes) == [1, 3]
+    p = plan(config_of("bamba"), batch_size=3, seq_len=24, dtype="fp32", device="cpu")
+    assert p.layers_found == 4 and list(p.per_layer_bytes) == [1, 3]
     # output [3, 4 heads, 24, 16] fp32 + LSE [3, 4, 24] fp32, CPU flash (no extras)
     assert set(p.per_layer_bytes.values()) == {3 * 4 * 24 * 16 * 4 + 3 * 4 * 24 * 4}
 
@@ -128,7 +129,7 @@ def test_a_hybrid_counts_only_its_attention_layers():
 def test_mla_with_different_head_dims_is_refused_on_cpu_as_the_stash_refuses_it():
     # Query/key head dim 24, value head dim 16: CPU flash needs equal head dims, so F.sdpa runs math.
     model = model_of("deepseek_v3")
-    p = plan(model, 3, 24)
+    p = plan(model, batch_size=3, seq_len=24)
     call = p.layers[0].calls[0]
     assert (call.query[-1], call.value[-1]) == (24, 16) and call.backend == SDPBackend.MATH
     assert all(layer.refused and layer.bytes is None for layer in p.layers)
@@ -190,7 +191,7 @@ def test_the_plan_sees_the_calls_a_training_forward_makes(arch, padded):
     ids, kwargs = ids_and_mask(padded)
     with real_sdpa_calls() as calls:
         model(input_ids=ids, **kwargs)
-    p = plan(model, 3, 24, padded=padded)
+    p = plan(model, batch_size=3, seq_len=24, padded=padded)
     seen = [(c.query, c.key, c.value, c.mask, c.is_causal, c.enable_gqa) for layer in p.layers for c in layer.calls]
     assert seen == calls
 
@@ -200,10 +201,10 @@ def test_the_plan_sees_the_calls_a_training_forward_makes(arch, padded):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "bamba"])
 def test_the_layers_that_fit_a_budget_are_the_ones_the_installer_keeps(arch):
     model = model_of(arch)
-    p = plan(model, 3, 24)
+    p = plan(model, batch_size=3, seq_len=24)
     per_layer = list(p.per_layer_bytes.values())
     budget = sum(per_layer[-2:]) + per_layer[-3 if len(per_layer) > 2 else -1] // 2  # two and a half layers
-    fit = plan(model, 3, 24, budget=budget).layers_that_fit
+    fit = plan(model, batch_size=3, seq_len=24, max_bytes=budget).layers_that_fit
     assert fit == min(2, len(per_layer)) and p.layers_within(budget) == fit
     assert p.layers_within(str(budget)) == fit  # strings as attnstash.parse_bytes reads them
     held, declined = measured(model, False, n=fit, max_bytes=budget)
@@ -214,7 +215,7 @@ def test_the_layers_that_fit_a_budget_are_the_ones_the_installer_keeps(arch):
 
 
 def test_layers_are_counted_from_the_last():
-    p = plan(config_of("llama"), 3, 24, dtype="fp32", device="cpu", budget="1GiB")
+    p = plan(config_of("llama"), batch_size=3, seq_len=24, dtype="fp32", device="cpu", max_bytes="1GiB")
     one = p.layers[0].bytes
     assert p.layers_that_fit == 3
     budgets = (0, one - 1, one, 2 * one, 3 * one - 1, 3 * one, 10 * one)
@@ -245,7 +246,7 @@ def test_the_example_configs_are_shipped():
 def test_the_command_prints_each_example_configs_table(name, capsys):
     layers, per_layer = EXAMPLES[name]
     out = run_main(capsys, os.path.join(CONFIGS, name), "--batch", "4", "--seq", "4096", "--dtype", "bf16",
-                   "--backend", "cudnn", "--budget", "8GiB")
+                   "--backend", "cudnn", "--max-bytes", "8GiB")
     assert f"{per_layer:,}" in out and "cudnn_attention" in out
     assert f"all {layers} attention layers stashed: {layers * per_layer:,} bytes" in out
     fit = min(layers, 8 * 2**30 // per_layer)
@@ -254,12 +255,12 @@ def test_the_command_prints_each_example_configs_table(name, capsys):
 
 def test_the_function_returns_the_table_the_command_prints(capsys):
     path = os.path.join(CONFIGS, "Llama-3.1-8B.json")
-    out = run_main(capsys, path, "--batch", "2", "--seq", "256", "--budget", "100MB", "--padded", "--sm", "80")
-    p = plan(path, 2, 256, device="cuda", budget="100MB", padded=True, cuda_capability=(8, 0))
+    out = run_main(capsys, path, "--batch", "2", "--seq", "256", "--max-bytes", "100MB", "--padded", "--sm", "80")
+    p = plan(path, batch_size=2, seq_len=256, device="cuda", max_bytes="100MB", padded=True, cuda_capability=(8, 0))
     assert out == str(p) + "\n"
     assert p.dtype == torch.bfloat16  # the config's torch_dtype
-    assert p.budget_bytes == 10**8 and p.layers_that_fit == p.layers_within(10**8)
-    assert [layer.index for layer in p.layers] == list(range(32)) and p.decoder_layers == 32
+    assert p.max_bytes == 10**8 and p.layers_that_fit == p.layers_within(10**8)
+    assert [layer.index for layer in p.layers] == list(range(32)) and p.layers_found == 32
 
 
 @no_cuda
@@ -269,7 +270,7 @@ def test_qwen3_30b_a3b_plans_cudnn_on_hopper_as_the_seed_measured(capsys):
     path = os.path.join(CONFIGS, "Qwen3-30B-A3B.json")
     out = run_main(capsys, path, "--batch", "4", "--seq", "4096")
     assert "136,314,896" in out and "cudnn_attention" in out and "no CUDA device here" in out
-    assert "the CUDA wheels of torch >= 2.11" in out or torch.backends.cudnn.version()
+    assert "the CUDA wheels of torch 2.11 to 2.15" in out or torch.backends.cudnn.version()
     assert "[4, 32, 4096, 128]" in out  # the query: 32 heads of 128
     if HF4:  # transformers 4.57 builds a 4-D mask in training (it checks for packed sequences) and repeats K/V
         assert "[4, 1, 4096, 4096] bool" in out and "[4, 32, 4096, 128]  [4, 32, 4096, 128]" in out
@@ -293,7 +294,7 @@ def test_the_cpu_plan_has_no_extras(capsys):
 
 def test_python_dash_m_runs_the_command():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-m", "attnstash.plan", os.path.join(CONFIGS, "Llama-3.1-8B.json"),
+    done = subprocess.run([sys.executable, "-m", "attnstash.planner", os.path.join(CONFIGS, "Llama-3.1-8B.json"),
                            "--batch", "1", "--seq", "128", "--backend", "cudnn"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -301,7 +302,7 @@ def test_python_dash_m_runs_the_command():
 
 
 def test_attnstash_plan_is_callable_as_a_function():
-    assert isinstance(attnstash.plan(config_of("llama"), 1, 8, dtype="fp32", device="cpu"), StashPlan)
+    assert isinstance(attnstash.plan(config_of("llama"), batch_size=1, seq_len=8, dtype="fp32", device="cpu"), StashPlan)
 
 
 # ---- bad input --------------------------------------------------------------------------------
@@ -341,7 +342,7 @@ def test_bad_command_lines_say_what_is_wrong(tmp_path, capsys):
         assert words in err and len(err.strip().splitlines()) == 1, err
     assert "dtype must be one of" in command_error(capsys, good, "--batch", "1", "--seq", "8", "--dtype", "int8")
     assert "cannot read '8 gigs' as a byte count" in command_error(capsys, good, "--batch", "1", "--seq", "8",
-                                                                   "--budget", "8 gigs")
+                                                                   "--max-bytes", "8 gigs")
     assert "batch_size must be a positive int, got 0" in command_error(capsys, good, "--batch", "0", "--seq", "8")
     assert "invalid int value" in command_error(capsys, good, "--batch", "four", "--seq", "8")
     assert "backend must be" in command_error(capsys, good, "--batch", "1", "--seq", "8", "--backend", "fastest")
@@ -355,31 +356,32 @@ def test_bad_arguments_to_the_function_say_what_is_wrong():
     cfg = config_of("llama")
     for bad, message in [(dict(batch_size=True), "got the bool"), (dict(seq_len=0), "seq_len must be a positive int"),
                          (dict(seq_len=2.5), "seq_len must be a positive int"), (dict(dtype="int8"), "dtype"),
-                         (dict(budget=-1), "byte count"), (dict(backend="fast"), "backend must be")]:
-        args = {**dict(config_or_model=cfg, batch_size=1, seq_len=8, device="cpu"), **bad}
+                         (dict(max_bytes=-1), "byte count"), (dict(backend="fast"), "backend must be")]:
+        args = {**dict(source=cfg, batch_size=1, seq_len=8, device="cpu"), **bad}
         with pytest.raises(ValueError, match=message):
             plan(**args)
-    with pytest.raises(ValueError, match="expected a transformers config"):
-        plan(42, 1, 8)
+    with pytest.raises(ValueError, match="expected a model, a transformers config"):
+        plan(42, batch_size=1, seq_len=8)
 
 
 def test_a_model_the_installer_refuses_is_refused_with_its_reasons():
     eager = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="eager")
     with pytest.raises(ValueError, match="attn_implementation='eager'"):
-        plan(eager, 1, 8)
+        plan(eager, batch_size=1, seq_len=8)
     # No attention at all: transformers refuses SDPA for it, or the installer finds no attention layers.
     mamba = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8,
                                      use_cache=False)
     with pytest.raises(ValueError, match='cannot build mamba with attn_implementation="sdpa"|no attention layers'):
-        plan(mamba, 1, 8, device="cpu")
+        plan(mamba, batch_size=1, seq_len=8, device="cpu")
 
 
-def test_load_config_reads_a_file_a_folder_or_a_dict(tmp_path):
+def test_a_config_is_read_from_a_file_a_folder_or_a_dict_alike(tmp_path):
     values = json.load(open(os.path.join(CONFIGS, "Qwen2.5-7B.json")))
     (tmp_path / "config.json").write_text(json.dumps(values))
-    for source in (str(tmp_path / "config.json"), tmp_path, values):
-        cfg = load_config(source)
-        assert cfg.model_type == "qwen2" and cfg.num_key_value_heads == 4 and cfg.num_hidden_layers == 28
+    plans = [plan(source, batch_size=1, seq_len=64, device="cpu", dtype="fp32")
+             for source in (str(tmp_path / "config.json"), tmp_path, values)]
+    assert read_config(tmp_path)[0] == values
+    assert all(p.per_layer_bytes == plans[0].per_layer_bytes and len(p.layers) == 28 for p in plans)
 
 
 # ---- the rules for CUDA without a GPU ---------------------------------------------------------
@@ -411,8 +413,7 @@ def test_the_cuda_rules_pick_the_documented_backend(case):
     _, hq, hkv, d, masked, causal, gqa, dtype, capability, expected = case
     q, k, v = meta(B, hq, S, d, dtype=dtype), meta(B, hkv, S, d, dtype=dtype), meta(B, hkv, S, d, dtype=dtype)
     mask = meta(B, 1, S, S, dtype=torch.bool) if masked else None
-    chosen, why = backends.cuda_backend_without_device(q, k, v, mask, 0.0, causal, gqa, capability=capability,
-                                                       torch_version=(2, 13))
+    chosen, why = cuda_rules.cuda_backend_without_device(q, k, v, mask, 0.0, causal, gqa, capability=capability)
     assert chosen == getattr(SDPBackend, expected), why
 
 
@@ -420,22 +421,21 @@ def test_the_cuda_rules_honour_the_settings_torch_honours(monkeypatch):
     q, k = meta(B, 32, S, 128), meta(B, 4, S, 128)
 
     def choice(**kw):
-        return backends.cuda_backend_without_device(q, k, k, None, 0.0, True, True, **kw)[0]
+        return cuda_rules.cuda_backend_without_device(q, k, k, None, 0.0, True, True, **kw)[0]
 
-    assert choice(torch_version=(2, 13)) == SDPBackend.CUDNN_ATTENTION
-    assert choice(torch_version=(2, 8)) == SDPBackend.FLASH_ATTENTION  # cuDNN after math before 2.9
-    assert choice(torch_version=(2, 13), cudnn_version=91400) == SDPBackend.FLASH_ATTENTION
-    assert choice(torch_version=(2, 13), capability=(8, 9)) == SDPBackend.FLASH_ATTENTION
+    assert choice() == SDPBackend.CUDNN_ATTENTION
+    assert choice(cudnn_version=91400) == SDPBackend.FLASH_ATTENTION
+    assert choice(capability=(8, 9)) == SDPBackend.FLASH_ATTENTION
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        assert choice(torch_version=(2, 13)) == SDPBackend.MATH  # efficient takes no grouped K/V
+        assert choice() == SDPBackend.MATH  # efficient takes no grouped K/V
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION], set_priority=True):
-        assert choice(torch_version=(2, 13)) == SDPBackend.FLASH_ATTENTION
+        assert choice() == SDPBackend.FLASH_ATTENTION
     monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
-    assert choice(torch_version=(2, 13)) == SDPBackend.FLASH_ATTENTION
+    assert choice() == SDPBackend.FLASH_ATTENTION
     monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
     torch.use_deterministic_algorithms(True)
     try:
-        assert choice(torch_version=(2, 13)) == SDPBackend.FLASH_ATTENTION
+        assert choice() == SDPBackend.FLASH_ATTENTION
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -443,7 +443,7 @@ def test_the_cuda_rules_honour_the_settings_torch_honours(monkeypatch):
 @no_cuda
 def test_cuda_flash_with_a_head_dim_not_a_multiple_of_8_is_refused_as_the_stash_refuses_it():
     cfg = tiny_config("llama", head_dim=12)
-    p = plan(cfg, 2, 32, dtype="bf16", device="cuda", cuda_capability=(8, 0))
+    p = plan(cfg, batch_size=2, seq_len=32, dtype="bf16", device="cuda", cuda_capability=(8, 0))
     if HF4:  # transformers 4.57 passes a mask: no flash, and memory-efficient needs head dims % 8: math
         assert p.layers[0].calls[0].backend == SDPBackend.MATH
         assert all("math" in layer.refused for layer in p.layers)
@@ -478,7 +478,7 @@ def test_on_the_gpu_the_plan_is_what_each_backend_keeps(backend, arch, padded):
     if HF4 and backend == SDPBackend.FLASH_ATTENTION:
         pytest.skip("transformers 4.57 passes a mask in training, which flash does not take")
     model = gpu_model(arch)
-    p = plan(model, 3, 32, backend=backend, padded=padded)
+    p = plan(model, batch_size=3, seq_len=32, backend=backend, padded=padded)
     assert p.device == "cuda" and all(c.backend == backend for layer in p.layers for c in layer.calls), str(p)
     with sdpa_kernel([backend]):
         held, declined = measured(model, padded, device="cuda", seq=32)
@@ -489,7 +489,7 @@ def test_on_the_gpu_the_plan_is_what_each_backend_keeps(backend, arch, padded):
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
 def test_on_the_gpu_the_plan_is_what_torchs_own_choice_keeps(padded):
     model = gpu_model("qwen3_moe")
-    p = plan(model, 3, 32, padded=padded)
+    p = plan(model, batch_size=3, seq_len=32, padded=padded)
     held, _ = measured(model, padded, device="cuda", seq=32)
     assert p.per_layer_bytes == held, str(p)
 
@@ -497,7 +497,7 @@ def test_on_the_gpu_the_plan_is_what_torchs_own_choice_keeps(padded):
 @needs_cuda
 def test_on_the_gpu_flash_with_a_mask_is_refused_as_the_stash_refuses_it():
     model = gpu_model("llama")
-    p = plan(model, 3, 32, backend="flash", padded=True)
+    p = plan(model, batch_size=3, seq_len=32, backend="flash", padded=True)
     assert all(layer.refused for layer in p.layers)
     ids, kwargs = ids_and_mask(True, seq=32, device="cuda")
     with installed(model), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
@@ -524,7 +524,7 @@ def test_on_the_gpu_the_rules_pick_what_torch_picks(shape):
     v = torch.empty(2, hkv, 256, dv, dtype=dtype, device="cuda")
     mask = torch.ones(2, 1, 256, 256, dtype=torch.bool, device="cuda") if masked else None
     torch_choice = SDPBackend(torch._fused_sdp_choice(q, k, v, mask, 0.0, causal, enable_gqa=gqa))
-    ruled, why = backends.cuda_backend_without_device(q, k, v, mask, 0.0, causal, gqa,
+    ruled, why = cuda_rules.cuda_backend_without_device(q, k, v, mask, 0.0, causal, gqa,
                                                       capability=torch.cuda.get_device_capability(),
                                                       cudnn_version=torch.backends.cudnn.version())
     assert ruled == torch_choice, why
