@@ -52,9 +52,12 @@ gtest:
 	  fi; \
 	fi
 
+# An editable install leaves out ATTNSTASH_LAYERS's start-up line (pip puts it in site-packages
+# for a regular install): copied there by hand.
 build: venv gtest
 	ATTNSTASH_BUILD_DIR=$(abspath $(BUILD_DIR)) ATTNSTASH_BUILD_TESTS=1 CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
 	  $(PYTHON) -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps -e .
+	@cp attnstash/integrations/attnstash-autostash.pth "$$($(PYTHON) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 
 # The main job: fine-tune a small decoder twice, without and with the stash (about a minute).
 DEMO_ARGS ?=

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 
@@ -39,4 +40,16 @@ class CMakeBuild(build_ext):
         subprocess.check_call(["cmake", "--build", str(build_dir), "-j", jobs])
 
 
-setup(ext_modules=[CMakeExtension("attnstash._C")], cmdclass={"build_ext": CMakeBuild})
+# ATTNSTASH_LAYERS's start-up line (attnstash/integrations/autostash.py) goes to the top of
+# site-packages, where the interpreter reads .pth files; for an editable install `make build`
+# puts it there.
+PTH = "attnstash-autostash.pth"
+
+
+class BuildWithPth(build_py):
+    def run(self):
+        super().run()
+        self.copy_file(str(ROOT / "attnstash" / "integrations" / PTH), os.path.join(self.build_lib, PTH))
+
+
+setup(ext_modules=[CMakeExtension("attnstash._C")], cmdclass={"build_ext": CMakeBuild, "build_py": BuildWithPth})

@@ -140,7 +140,7 @@ def as_fused_mask(mask, query):
 def kept_bytes(row, query, key, value, attn_mask=None, is_causal=False, scale=None):
     """(output, logsumexp, extras) bytes the stash keeps for one call of this row's forward with
     tensors shaped like these (meta tensors will do: nothing is computed, and the device does not
-    matter), counted as torch_ops/stash_entries.cpp counts them (numel * itemsize)."""
+    matter), counted as torch_ops/records.cpp counts them (numel * itemsize)."""
     def meta(t):
         return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 

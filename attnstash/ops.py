@@ -107,14 +107,14 @@ def held_by_slot() -> dict:
     return {flat[i]: Held(*flat[i + 1:i + 4]) for i in range(0, len(flat), 4)}
 
 
-def entry_id(anchor, slot: int) -> int:
+def record_id(anchor, slot: int) -> int:
     """The id of the record held for (anchor, slot), 0 if none."""
-    return _ops.stash_entry_id(anchor, slot)
+    return _ops.stash_record_id(anchor, slot)
 
 
-def release(entry: int) -> bool:
-    """Release one forward's reference of record `entry`; whether it was held."""
-    return _ops.stash_release(entry)
+def release(record: int) -> bool:
+    """Release one forward's reference of record `record` (an id); whether it was held."""
+    return _ops.stash_release(record)
 
 
 def held_ids() -> list:

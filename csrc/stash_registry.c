@@ -9,33 +9,16 @@
  * Dropping records is two-phase: the nodes are unlinked into a private list and
  * the counters updated under the lock, then the lock is released and only then
  * are the release callbacks run and the nodes freed. A callback may thus call
- * back into the registry (even keep a new entry) without deadlock.
+ * back into the registry (even keep a new entry) without deadlock. The budget's
+ * demotions are stash_budget.c's.
  */
 #define _POSIX_C_SOURCE 200809L
 
-#include "stash_registry.h"
+#include "stash_internal.h"
 
-#include <pthread.h>
 #include <stdlib.h>
 
 #define INITIAL_BUCKETS 16u /* a power of two: buckets are picked by masking */
-
-typedef struct stash_node {
-  struct stash_node *next;
-  stash_key key;
-  stash_entry entry;
-  uint64_t id;
-  uint32_t refs;
-  int declined;
-} stash_node;
-
-struct stash_registry {
-  pthread_mutex_t mutex;
-  stash_node **buckets;
-  size_t bucket_count; /* always a power of two */
-  uint64_t next_id;
-  stash_stats stats;   /* entries doubles as the table's size */
-};
 
 /* Pointers are aligned and often share their high bits, so the raw value
  * masked would crowd a few buckets; a 64-bit finalizer (splitmix64's) spreads
@@ -78,7 +61,7 @@ static stash_node **find_link(stash_registry *r, const stash_key *key, uint64_t 
   return link;
 }
 
-static stash_record record_of(const stash_node *node) {
+stash_record registry_record_of(const stash_node *node) {
   stash_record record = {&node->key, &node->entry, node->id, node->refs, node->declined};
   return record;
 }
@@ -105,102 +88,6 @@ static void try_grow(stash_registry *r) {
   r->bucket_count = new_count;
 }
 
-/* Makes room for `bytes` more under the budget by demoting the oldest demotable records,
- * with the lock held. All or nothing: returns 0, changing nothing, if that cannot make
- * room (or memory runs out). The payloads to release after unlocking (those the demoted
- * records held; on failure, the stand-ins made in vain) are chained onto *to_release. */
-typedef struct demoted_payload {
-  struct demoted_payload *next;
-  stash_entry entry;
-} demoted_payload;
-
-static int make_room(stash_registry *r, size_t bytes, demoted_payload **to_release) {
-  stash_stats *s = &r->stats;
-  if (bytes > s->max_bytes) return 0;
-  uint64_t room_needed = s->bytes > s->max_bytes - bytes ? s->bytes - (s->max_bytes - bytes) : 0;
-  if (room_needed == 0) return 1;
-  /* The victims, oldest first, until they free enough (a record is picked once: its id
-   * is taken out of the running by the `after` bound). */
-  size_t count = 0, capacity = 0;
-  stash_node **victims = NULL;
-  uint64_t freed = 0, after = 0;
-  while (freed < room_needed) {
-    stash_node *oldest = NULL;
-    for (size_t b = 0; b < r->bucket_count; ++b) {
-      for (stash_node *node = r->buckets[b]; node != NULL; node = node->next) {
-        if (!node->declined && node->entry.demote != NULL && node->id > after &&
-            (oldest == NULL || node->id < oldest->id)) {
-          oldest = node;
-        }
-      }
-    }
-    if (oldest == NULL) break;
-    if (count == capacity) {
-      capacity = capacity ? capacity * 2 : 8;
-      stash_node **grown = realloc(victims, capacity * sizeof *victims);
-      if (grown == NULL) break;
-      victims = grown;
-    }
-    victims[count++] = oldest;
-    freed += oldest->entry.bytes;
-    after = oldest->id;
-  }
-  int ok = freed >= room_needed;
-  /* Stand-ins first, all of them, before anything changes. */
-  demoted_payload *made = NULL;
-  for (size_t i = 0; ok && i < count; ++i) {
-    demoted_payload *d = malloc(sizeof *d);
-    void *stand_in = d != NULL ? victims[i]->entry.demote(victims[i]->entry.payload) : NULL;
-    if (stand_in == NULL) {
-      free(d);
-      ok = 0;
-      break;
-    }
-    d->entry = victims[i]->entry;
-    d->entry.payload = stand_in;
-    d->next = made;
-    made = d;
-  }
-  if (!ok) { /* nothing changes; the stand-ins made in vain are released after unlocking */
-    while (made != NULL) {
-      demoted_payload *next = made->next;
-      made->next = *to_release;
-      *to_release = made;
-      made = next;
-    }
-    free(victims);
-    return 0;
-  }
-  /* `made` lists the stand-ins in reverse order of victims. */
-  for (size_t i = count; i-- > 0;) {
-    demoted_payload *d = made;
-    made = made->next;
-    stash_node *victim = victims[i];
-    void *stand_in = d->entry.payload;
-    d->entry = victim->entry; /* now: the payload the record held, to release */
-    d->next = *to_release;
-    *to_release = d;
-    s->bytes -= victim->entry.bytes;
-    s->keeps -= victim->refs;
-    s->declined += victim->refs;
-    victim->entry.payload = stand_in;
-    victim->entry.bytes = 0;
-    victim->declined = 1;
-  }
-  free(victims);
-  return 1;
-}
-
-/* Outside the lock: releases the registry's references to the demoted payloads. */
-static void release_demoted(demoted_payload *demoted) {
-  while (demoted != NULL) {
-    demoted_payload *next = demoted->next;
-    if (demoted->entry.release != NULL) demoted->entry.release(demoted->entry.payload);
-    free(demoted);
-    demoted = next;
-  }
-}
-
 /* The shared body of stash_keep and stash_decline. */
 static stash_status store(stash_registry *r, const stash_key *key, stash_entry entry, int declined,
                           uint64_t *id) {
@@ -221,10 +108,10 @@ static stash_status store(stash_registry *r, const stash_key *key, stash_entry e
     pthread_mutex_unlock(&r->mutex);
     return STASH_ERR_NOMEM;
   }
-  if (!declined && !make_room(r, entry.bytes, &demoted)) {
+  if (!declined && !registry_make_room(r, entry.bytes, &demoted)) {
     pthread_mutex_unlock(&r->mutex);
     free(node);
-    release_demoted(demoted); /* the stand-ins made in vain, if any */
+    registry_release_demoted(demoted); /* the stand-ins made in vain, if any */
     return STASH_ERR_BUDGET;
   }
   node->key = *key;
@@ -248,7 +135,7 @@ static stash_status store(stash_registry *r, const stash_key *key, stash_entry e
   }
   if (id != NULL) *id = node->id;
   pthread_mutex_unlock(&r->mutex);
-  release_demoted(demoted);
+  registry_release_demoted(demoted);
   return STASH_OK;
 }
 
@@ -290,7 +177,7 @@ static stash_status release_matching(stash_registry *r, stash_predicate_fn predi
     stash_node **link = &r->buckets[b];
     while (*link != NULL) {
       stash_node *node = *link;
-      stash_record record = record_of(node);
+      stash_record record = registry_record_of(node);
       if (predicate != NULL && predicate(&record, context) == 0) {
         link = &node->next;
         continue;
@@ -460,7 +347,7 @@ stash_status stash_visit(stash_registry *registry, stash_visit_fn visitor, void 
   pthread_mutex_lock(&registry->mutex);
   for (size_t b = 0; b < registry->bucket_count; ++b) {
     for (const stash_node *node = registry->buckets[b]; node != NULL; node = node->next) {
-      stash_record record = record_of(node);
+      stash_record record = registry_record_of(node);
       visitor(&record, context);
     }
   }
@@ -476,7 +363,7 @@ stash_status stash_peek(stash_registry *registry, const stash_key *key, stash_vi
   pthread_mutex_lock(&registry->mutex);
   const stash_node *node = *find_link(registry, key, 0);
   if (node != NULL) {
-    stash_record record = record_of(node);
+    stash_record record = registry_record_of(node);
     visitor(&record, context);
   }
   pthread_mutex_unlock(&registry->mutex);

@@ -2,16 +2,29 @@
  *
  * A thread-safe map from a key to a record, kept from an attention forward until
  * its recompute takes it back. Plain C11: it knows nothing of Python or tensors.
- * The owner (attnstash's torch layer) stores an entry: a payload pointer, its size
- * in bytes and two callbacks, retain and release.
+ *
+ * Words, used in one sense each across C, C++ and Python:
+ *   anchor    the tensor that ties a recompute to its first forward (the checkpointed layer's
+ *             input); its data pointer, version and shape are part of the key.
+ *   slot      which attention call of one anchor (a layer's k-th call).
+ *   key       (anchor, version, shape, slot).
+ *   entry     what the caller hands the registry to hold: a payload pointer, its size in
+ *             bytes and its callbacks (retain, release, demote).
+ *   record    what the registry holds under a key: an entry, an id, and a count of the
+ *             forwards that share it. A record is kept or declined.
+ *   kept      a record that holds its bytes (the attention output and log-sum-exp).
+ *   declined  a record that holds 0 bytes: the budget had no room for it, and its recompute
+ *             runs attention itself. A record is declined when it is stored (stash_decline)
+ *             or demoted later.
+ *   demoted   a kept record turned declined to make room for a newer keep (Budget below);
+ *             its payload is replaced by the stand-in its demote callback returns.
+ *   take      a recompute taking a record back (one reference); release: dropping one.
  *
  * Records. Each stored record gets an id, unique for the registry's lifetime (ids
  * start at 1; 0 means "none" or "any"), and a count of references, one per forward
  * that keeps it. A forward that repeats one already held under the same key (the
  * caller has checked that they are interchangeable) shares its record with
- * stash_share instead of storing a second copy. A record is either kept (it holds
- * its bytes) or declined (the budget had no room: it holds 0 bytes and tells the
- * recompute to run attention itself).
+ * stash_share instead of storing a second copy.
  *
  * Ownership. The registry owns one reference to a record's payload while it holds
  * the record, however many forwards share it. A take hands out an owned reference:
@@ -23,18 +36,17 @@
  *
  * Budget. max_bytes caps the bytes held at any moment (default: no cap). A keep that
  * would pass it first makes room by demoting the oldest kept records (lowest ids) whose
- * entries can be demoted (a `demote` callback): each becomes a declined record, holding
- * 0 bytes and the stand-in payload its callback returns, and its forwards count as
- * declined instead of kept. In a training step the oldest records are the first
- * layers', held longest (until the end of backward), so the budget goes to the last
- * layers. If demoting every such record would not make room, nothing is demoted or
- * stored and the keep returns STASH_ERR_BUDGET; the caller may then store a declined
- * record with stash_decline.
+ * entries can be demoted (a `demote` callback), and their forwards count as declined
+ * instead of kept. In a training step the oldest records are the first layers', held
+ * longest (until the end of backward), so the budget goes to the last layers. If
+ * demoting every such record would not make room, nothing is demoted or stored and the
+ * keep returns STASH_ERR_BUDGET; the caller may then store a declined record with
+ * stash_decline. Lowering the budget below the bytes held changes no record: the next
+ * keep demotes, or is refused, by the same rule. This is the one statement of the budget
+ * rule; every other place points here.
  *
- * Keys: (anchor, version, shape, slot). `anchor` is the identity of the tensor that
- * ties a recompute to its first forward (its data pointer), `version` its version
- * counter, `shape` its sizes (rank 0..STASH_MAX_RANK; a larger rank is an error,
- * never a truncation) and `slot` tells apart several attention calls of one anchor.
+ * Keys: a key's `shape` holds rank sizes (rank 0..STASH_MAX_RANK; a larger rank is an
+ * error, never a truncation).
  *
  * Errors come back as a stash_status; nothing here aborts, exits or leaks. Every
  * function may be called from any thread. Release callbacks run after the
@@ -172,8 +184,7 @@ stash_status stash_get_stats(stash_registry *registry, stash_stats *out);
 /* Set peak_bytes to the bytes held now (to measure one phase of a run). */
 stash_status stash_reset_peak(stash_registry *registry);
 
-/* Set the budget (UINT64_MAX: no cap). Records already held stay, even above it; until
- * the bytes held fall below the budget, every keep is refused. */
+/* Set the budget (UINT64_MAX: no cap). Records already held stay, even above it (see Budget). */
 stash_status stash_set_max_bytes(stash_registry *registry, uint64_t max_bytes);
 
 #ifdef __cplusplus

@@ -110,7 +110,8 @@ bool same_scale(std::optional<double> a, std::optional<double> b) {
 }
 
 // Why `c` is not the call that kept `e`, or nothing if it is.
-std::optional<std::string> call_difference(const SdpaCall& c, const KeptEntry& e, bool check_backend) {
+std::optional<std::string> call_difference(const SdpaCall& c, const Record& record, bool check_backend) {
+  const CallSignature& e = record.call;
   auto differs = [](const char* what, const std::string& kept, const std::string& now) {
     return c10::str("the recompute's ", what, " (", now, ") differs from its first forward's (", kept, ")");
   };
@@ -164,10 +165,11 @@ std::optional<std::string> call_difference(const SdpaCall& c, const KeptEntry& e
   if (check_backend) {
     int64_t choice = at::_fused_sdp_choice(c.query, c.key, c.value, c.attn_mask, c.dropout_p, c.is_causal, c.scale,
                                            c.enable_gqa);
-    int64_t kept = static_cast<int64_t>(e.attention.backend->id);
+    int64_t kept = static_cast<int64_t>(e.backend->id);
     if (choice != kept) return differs("SDPA backend", sdpa_backend_name(kept), sdpa_backend_name(choice));
   }
-  if (e.attention.output.defined() && e.attention.output._version() != e.output_version)
+  const Kept* kept = record.kept();
+  if (kept != nullptr && kept->attention.output._version() != kept->output_version)
     return std::string(
         "the attention output returned by the first forward was modified in place before its recompute, so it no "
         "longer is the attention of these inputs. Do not modify the output of attnstash::sdpa_fwd_keep in place "
@@ -176,21 +178,22 @@ std::optional<std::string> call_difference(const SdpaCall& c, const KeptEntry& e
 }
 
 // Fails unless `c` repeats the call that kept `e`. `released`: what became of the record.
-void check_same_call(const SdpaCall& c, const KeptEntry& e, bool check_backend, const char* op, const char* released) {
+void check_same_call(const SdpaCall& c, const Record& e, bool check_backend, const char* op, const char* released) {
   if (auto why = call_difference(c, e, check_backend))
     TORCH_CHECK(false, "attnstash::", op, ": ", *why, ", so the kept output cannot stand in for it. The recompute "
                 "must repeat the first forward's attention call exactly; ", released, ".");
 }
 
-// Whether a forward that computed `fresh` for call `c` can share the record `held`: the
-// same call, and bitwise the same attention (a declined record holds none: its recomputes
-// each run their own forward).
-bool interchangeable(const SdpaCall& c, const KeptEntry& fresh, const KeptEntry& held) {
-  if (fresh.non_reentrant != held.non_reentrant || fresh.attention.backend != held.attention.backend) return false;
+// Whether a forward that computed `fresh` (a kept record) for call `c` can share the record
+// `held`: the same call, and bitwise the same attention (a declined or demoted record holds
+// none: its recomputes each run their own forward).
+bool interchangeable(const SdpaCall& c, const Record& fresh, const Record& held) {
+  if (fresh.call.non_reentrant != held.call.non_reentrant || fresh.call.backend != held.call.backend) return false;
   if (call_difference(c, held, /*check_backend=*/false)) return false;
-  if (held.declined) return true;
-  const KeptAttention &a = fresh.attention, &b = held.attention;
-  return at::equal(a.output, b.output) && at::equal(a.logsumexp, b.logsumexp);
+  const Kept* b = held.kept();
+  if (b == nullptr) return true;
+  const KeptAttention& a = fresh.kept()->attention;
+  return at::equal(a.output, b->attention.output) && at::equal(a.logsumexp, b->attention.logsumexp);
 }
 
 std::string anchor_str(const at::Tensor& anchor) {
@@ -241,41 +244,43 @@ KeptAttention run_forward(const SdpaBackend& backend, const SdpaCall& c) {
 
 KeptForward keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t slot, bool non_reentrant) {
   const char* op = "sdpa_fwd_keep";
-  stash_release_freed();
+  records::release_freed();
   check_keepable(c, op);
   const SdpaBackend& backend = backend_for_keep(c, op);
 
-  auto entry = c10::make_intrusive<KeptEntry>();
-  entry->attention = run_forward(backend, c);
-  entry->non_reentrant = non_reentrant;
-  entry->query = TensorMeta::of(c.query);
-  entry->key = TensorMeta::of(c.key);
-  entry->value = TensorMeta::of(c.value);
+  auto record = c10::make_intrusive<Record>();
+  CallSignature& call = record->call;
+  call.backend = &backend;
+  call.query = TensorMeta::of(c.query);
+  call.key = TensorMeta::of(c.key);
+  call.value = TensorMeta::of(c.value);
   if (c.attn_mask.has_value()) {
-    entry->mask = TensorMeta::of(*c.attn_mask);
-    entry->mask_impl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>(c.attn_mask->getIntrusivePtr());
-    entry->mask_version = static_cast<int64_t>(c.attn_mask->_version());
+    call.mask = TensorMeta::of(*c.attn_mask);
+    call.mask_impl = WeakTensor(c.attn_mask->getIntrusivePtr());
+    call.mask_version = static_cast<int64_t>(c.attn_mask->_version());
   }
-  entry->dropout_p = c.dropout_p;
-  entry->is_causal = c.is_causal;
-  entry->scale = c.scale;
-  entry->enable_gqa = c.enable_gqa;
-  entry->output_version = static_cast<int64_t>(entry->attention.output._version());
-  entry->anchor_storage = c10::weak_intrusive_ptr<c10::StorageImpl>(anchor.storage().getWeakStorageImpl());
+  call.dropout_p = c.dropout_p;
+  call.is_causal = c.is_causal;
+  call.scale = c.scale;
+  call.enable_gqa = c.enable_gqa;
+  call.anchor_storage = c10::weak_intrusive_ptr<c10::StorageImpl>(anchor.storage().getWeakStorageImpl());
+  call.non_reentrant = non_reentrant;
+  KeptAttention attention = run_forward(backend, c);
+  record->state = Kept{attention, static_cast<int64_t>(attention.output._version())};
 
-  KeptForward kept{entry->attention, key_of(anchor, slot, op), 0, false};
-  Stored stored = stash_store(kept.key, entry);
+  KeptForward kept{attention, key_of(anchor, slot, op), 0, false};
+  records::Stored stored = records::store(kept.key, record);
   if (stored.duplicate) {
     // The same anchor through this attention again before the first one's recompute: the
     // two recomputes cannot be told apart, so they may share one record only if either
     // could take it. A record left by a freed anchor at this address is dropped instead.
-    Taken held = stash_peek(kept.key);
-    if (held.entry && !kept_for(*held.entry, anchor)) {
-      stash_release_stale(kept.key);
-      stored = stash_store(kept.key, entry);
-    } else if (held.entry && interchangeable(c, *entry, *held.entry) && stash_share(kept.key, held.id)) {
-      // (Sharing an evicted record: this forward's node saves what one kept would.)
-      stored = Stored{held.id, node_saves_output(*held.entry), false};
+    records::Taken held = records::peek(kept.key);
+    if (held.record && !kept_for(*held.record, anchor)) {
+      records::release_stale(kept.key);
+      stored = records::store(kept.key, record);
+    } else if (held.record && interchangeable(c, *record, *held.record) && records::share(kept.key, held.id)) {
+      // (Sharing a demoted record: this forward's node saves what one kept would.)
+      stored = records::Stored{held.id, node_saves_output(*held.record), false};
     }
     TORCH_CHECK(!stored.duplicate, "attnstash::", op, ": this anchor (", anchor_str(anchor), ") already went through "
                 "this attention (slot ", slot, ") in a forward whose recompute has not come yet, with a different "
@@ -290,11 +295,11 @@ KeptForward keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t sl
   return kept;
 }
 
-KeptPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t slot, bool check_backend) {
+RecordPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t slot, bool check_backend) {
   const char* op = "sdpa_replay";
-  stash_release_freed();
+  records::release_freed();
   stash_key key = key_of(anchor, slot, op);
-  KeptPtr e = stash_take(key, 0).entry;  // ours now: a failed check releases it with e
+  RecordPtr e = records::take(key, 0).record;  // ours now: a failed check releases it with e
   TORCH_CHECK(!e || kept_for(*e, anchor), "attnstash::", op, ": nothing is kept for this anchor (",
               anchor_str(anchor), ", slot ", slot, "): the output kept at its address belonged to an earlier tensor "
               "that has been freed. The recompute must receive the same anchor tensor (or a detached alias of it) "
@@ -304,7 +309,7 @@ KeptPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t slo
     return e;
   }
   // A miss. Records of this anchor and slot under another version or shape explain it.
-  auto stale = stash_release_stale(key);
+  auto stale = records::release_stale(key);
   if (!stale.empty()) {
     const auto& [version, shape] = stale.front();
     TORCH_CHECK(version == key.version, "attnstash::", op, ": the anchor was modified in place between the first "
@@ -322,9 +327,9 @@ KeptPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t slo
               "either.");
 }
 
-KeptPtr take_owned(const SdpaCall& c, EntryOwner& owner) {
+RecordPtr take_owned(const SdpaCall& c, RecordOwner& owner) {
   const char* op = "sdpa_fwd_keep";
-  KeptPtr e = stash_take(owner.key, owner.id).entry;
+  RecordPtr e = records::take(owner.key, owner.id).record;
   TORCH_CHECK(e, "attnstash::", op, ": the output this forward kept (slot ", owner.key.slot, ") is gone: the stash "
               "was cleared (attnstash.stash_clear()), or this is a second backward through the same forward "
               "(retain_graph=True), which a kept output cannot serve.");
@@ -334,18 +339,18 @@ KeptPtr take_owned(const SdpaCall& c, EntryOwner& owner) {
   return e;
 }
 
-bool node_saves_output(const KeptEntry& record) { return record.declined && !record.evicted; }
+bool node_saves_output(const Record& record) { return std::holds_alternative<Declined>(record.state); }
 
 bool held_by_non_reentrant(const at::Tensor& anchor, int64_t slot) {
-  Taken held = stash_peek(key_of(anchor, slot, "sdpa_fwd_keep"));
-  return held.entry && held.entry->non_reentrant && kept_for(*held.entry, anchor);
+  records::Taken held = records::peek(key_of(anchor, slot, "sdpa_fwd_keep"));
+  return held.record && held.record->call.non_reentrant && kept_for(*held.record, anchor);
 }
 
-KeptPtr peek_for_recompute(const SdpaCall& c, const at::Tensor& anchor, int64_t slot) {
-  Taken held = stash_peek(key_of(anchor, slot, "sdpa_fwd_keep"));
-  if (!held.entry || !held.entry->non_reentrant || !kept_for(*held.entry, anchor)) return KeptPtr();
-  check_same_call(c, *held.entry, /*check_backend=*/true, "sdpa_fwd_keep", "the kept output is still held");
-  return held.entry;
+RecordPtr peek_for_recompute(const SdpaCall& c, const at::Tensor& anchor, int64_t slot) {
+  records::Taken held = records::peek(key_of(anchor, slot, "sdpa_fwd_keep"));
+  if (!held.record || !held.record->call.non_reentrant || !kept_for(*held.record, anchor)) return RecordPtr();
+  check_same_call(c, *held.record, /*check_backend=*/true, "sdpa_fwd_keep", "the kept output is still held");
+  return held.record;
 }
 
 }  // namespace attnstash

@@ -3,7 +3,7 @@
 #pragma once
 
 #include "sdpa_backend.h"
-#include "stash_entries.h"
+#include "records.h"
 
 #include <optional>
 #include <string>
@@ -50,11 +50,11 @@ struct KeptForward {
   bool declined = false;    // the budget had no room: the recompute runs the forward itself
 };
 
-// What a non-reentrant node keeps of its attention call's tensors, decided by its record:
-// kept (query, key, value, mask; output and log-sum-exp are in the stash), declined when
-// kept (those and output, log-sum-exp and extras, as F.sdpa's own node), or evicted
-// after (query, key, value, mask; the recompute leaves the attention in the record).
-bool node_saves_output(const KeptEntry& record);
+// Whether a non-reentrant node saves its attention's output, log-sum-exp and extras (as
+// F.sdpa's own node does): for a record Declined when stored. Otherwise it saves query, key,
+// value and mask only (Kept: the output is in the stash; Demoted: the recompute leaves it in
+// the record).
+bool node_saves_output(const Record& record);
 
 // Run the forward F.sdpa would run, with its log-sum-exp, and keep it for (anchor, slot),
 // or a declined record if the budget has no room. Fails clearly (PyTorch's own error for
@@ -65,11 +65,11 @@ KeptForward keep_forward(const SdpaCall& call, const at::Tensor& anchor, int64_t
 
 // Take the recompute's record for (anchor, slot) and check that this call repeats its
 // first forward. `check_backend`: also that PyTorch would still choose the kept backend.
-KeptPtr take_for_replay(const SdpaCall& call, const at::Tensor& anchor, int64_t slot, bool check_backend = true);
+RecordPtr take_for_replay(const SdpaCall& call, const at::Tensor& anchor, int64_t slot, bool check_backend = true);
 
 // Take the record `owner` holds for its forward (a non-reentrant node's backward) and
 // check the call against it.
-KeptPtr take_owned(const SdpaCall& call, EntryOwner& owner);
+RecordPtr take_owned(const SdpaCall& call, RecordOwner& owner);
 
 // Whether the record held for (anchor, slot) was kept by a non-reentrant first forward.
 bool held_by_non_reentrant(const at::Tensor& anchor, int64_t slot);
@@ -77,6 +77,6 @@ bool held_by_non_reentrant(const at::Tensor& anchor, int64_t slot);
 // The entry held for (anchor, slot) by a non-reentrant first forward, checked against this
 // call and left held (a non-reentrant recompute only refills what its node saved), or null
 // if the record there was kept by a reentrant forward.
-KeptPtr peek_for_recompute(const SdpaCall& call, const at::Tensor& anchor, int64_t slot);
+RecordPtr peek_for_recompute(const SdpaCall& call, const at::Tensor& anchor, int64_t slot);
 
 }  // namespace attnstash

@@ -9,10 +9,10 @@
 // before either recompute, a forward that was bitwise the same).
 //
 // Kernels: sdpa_device.cpp (CPU, CUDA), sdpa_autograd.cpp (Autograd), sdpa_autocast.cpp
-// (AutocastCPU, AutocastCUDA); the stash ops below are plain functions (stash_entries.cpp).
+// (AutocastCPU, AutocastCUDA); the stash ops below are plain functions (records.cpp).
 #include <torch/library.h>
 
-#include "stash_entries.h"
+#include "records.h"
 
 TORCH_LIBRARY(attnstash, m) {
   // Fake (meta) kernels live in Python, in attnstash/ops.py.
@@ -50,23 +50,23 @@ TORCH_LIBRARY(attnstash, m) {
 
   // The stash itself (Python: attnstash/ops.py). Its counters by name, as
   // csrc/stash_registry.h's STASH_STATS_FIELDS defines them (max_bytes -1: no budget) ...
-  m.def("stash_stats() -> Dict(str, int)", &attnstash::stash_stats);
+  m.def("stash_stats() -> Dict(str, int)", &attnstash::records::stats);
   // ... and what each counter means.
-  m.def("stash_stats_meanings() -> Dict(str, str)", &attnstash::stash_stats_meanings);
+  m.def("stash_stats_meanings() -> Dict(str, str)", &attnstash::records::stats_meanings);
   // Releases every record; returns how many.
-  m.def("stash_clear() -> int", &attnstash::stash_clear);
+  m.def("stash_clear() -> int", &attnstash::records::clear);
   // Sets peak_bytes to the bytes held now.
-  m.def("stash_reset_peak() -> ()", &attnstash::stash_reset_peak);
+  m.def("stash_reset_peak() -> ()", &attnstash::records::reset_peak);
   // Sets the budget: the most bytes the stash holds at once (negative: no budget). A keep
   // that would pass it is declined: that layer's recompute runs attention as usual.
-  m.def("stash_set_max_bytes(int max_bytes) -> ()", &attnstash::stash_set_max_bytes);
+  m.def("stash_set_max_bytes(int max_bytes) -> ()", &attnstash::records::set_max_bytes);
   // [slot, entries, bytes, declined entries] for each slot that holds something.
-  m.def("stash_held_by_slot() -> int[]", &attnstash::stash_held_by_slot);
+  m.def("stash_held_by_slot() -> int[]", &attnstash::records::held_by_slot);
   // The ids of every record held now.
-  m.def("stash_held_ids() -> int[]", &attnstash::stash_held_ids);
+  m.def("stash_held_ids() -> int[]", &attnstash::records::held_ids);
   // The id of the record held for (anchor, slot), 0 if none: what a forward's owner holds.
-  m.def("stash_entry_id(Tensor anchor, int slot) -> int", &attnstash::stash_entry_id);
+  m.def("stash_record_id(Tensor anchor, int slot) -> int", &attnstash::records::record_id);
   // Releases one forward's reference of record `id` (its graph was dropped without a
   // backward); whether it was held.
-  m.def("stash_release(int id) -> bool", &attnstash::stash_release);
+  m.def("stash_release(int id) -> bool", &attnstash::records::release);
 }

@@ -113,22 +113,23 @@ struct NonReentrantKeepFunction : public torch::autograd::Function<NonReentrantK
     bool fresh = false;        // the attention was computed here, not taken from the stash
     bool saves_output = false;
     if (recompute) {
-      KeptPtr held = peek_for_recompute(call, anchor, slot);
+      RecordPtr held = peek_for_recompute(call, anchor, slot);
       TORCH_CHECK(held, "attnstash::sdpa_fwd_keep: the output kept for this anchor and slot ", slot,
                   " disappeared during its recompute (was the stash cleared from another thread?).");
       saves_output = node_saves_output(*held);
-      fresh = held->declined;
-      attention = fresh ? run_forward(*held->attention.backend, call) : held->attention;
-      if (held->evicted) {  // for the first forward's node, whose backward comes next
-        std::lock_guard<std::mutex> lock(held->refill->mutex);
-        held->refill->attention = attention;
+      const Kept* kept = held->kept();
+      fresh = kept == nullptr;
+      attention = fresh ? run_forward(*held->call.backend, call) : kept->attention;
+      if (auto* demoted = std::get_if<Demoted>(&held->state)) {  // for the first forward's node's backward
+        std::lock_guard<std::mutex> lock(demoted->refill->mutex);
+        demoted->refill->attention = attention;
       }
     } else {
       KeptForward kept = keep_forward(call, anchor, slot, /*non_reentrant=*/true);
       attention = kept.attention;
       fresh = saves_output = kept.declined;
       // Only the first forward's node owns the record: the recompute's graph is discarded.
-      ctx->saved_data["owner"] = c10::IValue::make_capsule(c10::make_intrusive<EntryOwner>(kept.key, kept.id));
+      ctx->saved_data["owner"] = c10::IValue::make_capsule(c10::make_intrusive<RecordOwner>(kept.key, kept.id));
     }
     // A detached alias of a kept output: the node must not take over the stash's tensor.
     at::Tensor output = fresh ? attention.output : attention.output.detach();
@@ -152,24 +153,25 @@ struct NonReentrantKeepFunction : public torch::autograd::Function<NonReentrantK
     if (!grad.defined()) return grad_inputs;
     variable_list saved = ctx->get_saved_variables();
     SdpaCall call = saved_call(ctx, saved[0], saved[1], saved[2], optional_mask(saved[3]));
-    auto owner = c10::static_intrusive_pointer_cast<EntryOwner>(ctx->saved_data["owner"].toCapsule());
-    KeptPtr entry = take_owned(call, *owner);
+    auto owner = c10::static_intrusive_pointer_cast<RecordOwner>(ctx->saved_data["owner"].toCapsule());
+    RecordPtr record = take_owned(call, *owner);
     KeptAttention kept;
-    if (!entry->declined) {
-      kept = entry->attention;
-    } else if (!entry->evicted) {  // declined when kept: what the recompute refilled
-      kept.backend = entry->attention.backend;
+    if (const Kept* k = record->kept()) {
+      kept = k->attention;
+    } else if (std::holds_alternative<Declined>(record->state)) {  // what the recompute refilled the node with
+      kept.backend = record->call.backend;
       kept.output = saved[4];
       kept.logsumexp = saved[5];
       kept.extra.assign(saved.begin() + 6, saved.end());
       kept.max_q = ctx->saved_data["max_q"].toInt();
       kept.max_k = ctx->saved_data["max_k"].toInt();
-    } else {  // evicted after it was kept: what the recompute left in the record
-      std::unique_lock<std::mutex> lock(entry->refill->mutex);
-      std::optional<KeptAttention> refilled = std::move(entry->refill->attention);
+    } else {  // Demoted after it was kept: what the recompute left in the record
+      auto& refill = *std::get<Demoted>(record->state).refill;
+      std::unique_lock<std::mutex> lock(refill.mutex);
+      std::optional<KeptAttention> refilled = std::move(refill.attention);
       lock.unlock();
-      // (Evicted between the refill and now: the forward runs again, as the refill did.)
-      kept = refilled ? *refilled : run_forward(*entry->attention.backend, call);
+      // (Demoted between the refill and now: the forward runs again, as the refill did.)
+      kept = refilled ? *refilled : run_forward(*record->call.backend, call);
     }
     // Checked against the caller's mask; the backend gets it as the fused op got it.
     std::optional<at::Tensor> fused = fused_attn_mask(call.attn_mask, call.query, *kept.backend);

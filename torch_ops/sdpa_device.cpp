@@ -19,10 +19,10 @@ at::Tensor sdpa_fwd_keep_kernel(const at::Tensor& query, const at::Tensor& key, 
   return sdpa_plain(call);
 }
 
-// The attention of a taken record: the kept one, or (declined) the backend's forward run now.
-KeptAttention attention_of(const KeptPtr& e, const SdpaCall& call) {
-  if (e->declined) return run_forward(*e->attention.backend, call);
-  KeptAttention kept = e->attention;
+// The attention of a taken record: the kept one, or (declined, demoted) the backend's forward run now.
+KeptAttention attention_of(const RecordPtr& e, const SdpaCall& call) {
+  if (e->kept() == nullptr) return run_forward(*e->call.backend, call);
+  KeptAttention kept = e->kept()->attention;
   // Still held by another forward that shares the record: hand out an alias, so that each
   // recompute's node gets a tensor of its own.
   if (e.use_count() > 1) kept.output = kept.output.detach();

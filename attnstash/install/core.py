@@ -27,6 +27,7 @@ attnstash::sdpa_fwd_keep with the frame's anchor at slot `layer base + k`, in ca
 a layer may call attention any number of times. random_state.py checks that a recompute draws
 the random numbers its first forward drew before each call.
 """
+import functools
 import itertools
 import sys
 import threading
@@ -141,7 +142,7 @@ class Frame:
             raise (KeepError if self.first else ReplayError)(f"attnstash: {self.stash.name}: {e}") from e
         reentrant = self.first and not torch.is_grad_enabled()
         if reentrant or noted is not None:
-            record = ops.entry_id(self.anchor, slot)
+            record = ops.record_id(self.anchor, slot)
             if record and reentrant:
                 self.kept.append(record)
             if record and noted is not None:
@@ -308,16 +309,23 @@ class CheckpointCall:
         return out
 
 
-class Run:
+class Run(functools.partial):
     """A stashed layer's forward as its checkpoint runs it: once in the forward, once in the
     recompute; both in a frame, and the recompute routes exactly the calls its first forward
-    routed."""
+    routed. A functools.partial of that forward (the same func, args and keywords), so that a
+    checkpoint function that looks into what it is given finds the layer as it would without
+    the stash (LLaMA-Factory's: `func.func.__self__` when `isinstance(func, partial)`)."""
     __slots__ = ("stash", "fn", "outer_grad", "preserves", "routed", "kept")
 
-    def __init__(self, stash, fn, outer_grad, preserves):
+    def __new__(cls, stash, fn, outer_grad, preserves):
+        self = super().__new__(cls, fn)
         self.stash, self.fn, self.outer_grad, self.preserves = stash, fn, outer_grad, preserves
         self.routed = None  # attention calls the first forward routed (0: it kept nothing)
         self.kept = []
+        return self
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
 
     def __call__(self, *args, **kwargs):
         stash = self.stash

@@ -43,7 +43,7 @@ class Rng:
             if not self.refuse:
                 return now
         else:
-            record = ops.entry_id(frame.anchor, slot)
+            record = ops.record_id(frame.anchor, slot)
             want = Rng.expected.pop(record, None) if record else None
             if want is None or torch.equal(_rng_state(device), want):
                 return None

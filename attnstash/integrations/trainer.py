@@ -10,6 +10,7 @@ trainer trains when training begins, reports the stash's figures in the trainer'
 uninstalls it when training ends. See AttentionStashCallback for the details.
 """
 import logging
+import os
 import sys
 import weakref
 
@@ -18,6 +19,7 @@ from transformers import TrainerCallback
 from ..errors import InstallError
 
 from .. import budget, install, ops
+from ..install.layers import layer_count
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,11 @@ class AttentionStashCallback(TrainerCallback):
             (attnstash.parse_bytes); keeps over it are declined and counted. None leaves the
             budget as it is. It is install_attention_stash's max_bytes: it lasts as long as
             the install.
+        install: False to only report on the model's stash, installed some other way (what
+            ATTNSTASH_LAYERS adds to every Trainer: attnstash/integrations/autostash.py).
+
+    At train end it prints one line to stderr: the layers stashed, and the keeps, replays,
+    declined keeps and peak bytes of the run (summary()).
 
     What it logs. Every training log (a log the trainer makes at a logging step: one with
     "loss"; evaluation logs and the end-of-training summary are left alone) gets, as ints:
@@ -102,19 +109,22 @@ class AttentionStashCallback(TrainerCallback):
     callback.uninstall() removes it and restores the budget at once.
     """
 
-    def __init__(self, num_layers=None, max_bytes=None):
+    def __init__(self, num_layers=None, max_bytes=None, *, install=True):
         budget.parse_bytes(max_bytes)  # a bad budget or layer count fails here, not at train begin
-        self.num_layers = install.layer_count(num_layers)
+        self.num_layers = layer_count(num_layers)
         self.max_bytes = max_bytes
+        self.installs = install   # False: only report (the stash comes from elsewhere: ATTNSTASH_LAYERS)
         self.layers = None        # the decoder layers stashed in the current run (install_attention_stash's result)
         self._model = None        # weakref to the model with the stash, while installed
         self._last = None         # the counters at the previous training log
         self._first = None        # whether on_train_begin found the handler and moved itself first
         self._warned = False
         self._logged = False      # whether the current run made a training log
+        self._run = None          # {counter: value at train begin, "peak_bytes": the run's peak so far}
 
     def __repr__(self):
-        return f"AttentionStashCallback(num_layers={self.num_layers!r}, max_bytes={self.max_bytes!r})"
+        return (f"AttentionStashCallback(num_layers={self.num_layers!r}, max_bytes={self.max_bytes!r}"
+                + ("" if self.installs else ", install=False") + ")")
 
     # ---- the trainer's events ----------------------------------------------------------------
 
@@ -123,6 +133,11 @@ class AttentionStashCallback(TrainerCallback):
             raise InstallError("attnstash: AttentionStashCallback got no model at train begin; it needs the model the "
                              "trainer trains (transformers.Trainer passes it to its callbacks).")
         self._first = self._run_first()
+        if not self.installs:  # report what the model's stash does
+            self.layers = sorted(install.layer_stash_stats(model))
+            self._model = weakref.ref(model)
+            self._start_counting()
+            return
         leftover = _installed_by.get(model)
         if leftover is not None:  # a train() that raised, or an auto_find_batch_size retry
             logger.info("attnstash: removing the stash an earlier train() left installed on %s (it ended without "
@@ -146,8 +161,12 @@ class AttentionStashCallback(TrainerCallback):
         self.layers = layers
         self._model = weakref.ref(model)
         _installed_by[model] = self
+        self._start_counting()
+
+    def _start_counting(self):
         stats = ops.stash_stats()
         self._last = {name: stats[name] for name in _COUNTERS}
+        self._run = {**self._last, "peak_bytes": 0}
         self._logged = False
         ops.stash_reset_peak()
 
@@ -173,7 +192,25 @@ class AttentionStashCallback(TrainerCallback):
                            "this log; the attnstash/ figures are in the logs the callbacks see only.")
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.uninstall()
+        summary = self.summary()
+        if summary:
+            print(summary, file=sys.stderr, flush=True)
+        if self.installs:
+            self.uninstall()
+        else:
+            self._model = None
+
+    def summary(self):
+        """One line on the run since train begin: layers stashed, keeps, replays, declined, peak
+        bytes (None before a train begin). on_train_end prints it."""
+        if self._run is None:
+            return None
+        stats = ops.stash_stats()
+        peak = max(self._run["peak_bytes"], stats["peak_bytes"])
+        counts = ", ".join(f"{stats[name] - self._run[name]} {name}" for name in _COUNTERS)
+        rank = os.environ.get("RANK")
+        return (f"attnstash{'' if rank is None else f' (rank {rank})'}: {len(self.layers or ())} layers stashed; "
+                f"{counts}; peak {peak:,} bytes held")
 
     # ---- the rest ------------------------------------------------------------------------------
 
@@ -183,6 +220,8 @@ class AttentionStashCallback(TrainerCallback):
         stats = ops.stash_stats()
         last = self._last or {name: 0 for name in _COUNTERS}
         figures = {PREFIX + "bytes": stats["bytes"], PREFIX + "peak_bytes": stats["peak_bytes"]}
+        if self._run is not None:
+            self._run["peak_bytes"] = max(self._run["peak_bytes"], stats["peak_bytes"])
         for name in _COUNTERS:
             figures[PREFIX + name] = stats[name] - last[name]
         self._last = {name: stats[name] for name in _COUNTERS}

@@ -131,7 +131,7 @@ TEST_F(AttnstashOps, OpsAreRegisteredWithCpuAndAutogradKernelsAndCallableFromCpp
   }
   for (const char* name : {"attnstash::stash_stats", "attnstash::stash_stats_meanings", "attnstash::stash_clear",
                            "attnstash::stash_reset_peak", "attnstash::stash_set_max_bytes",
-                           "attnstash::stash_held_by_slot", "attnstash::stash_entry_id", "attnstash::stash_release"}) {
+                           "attnstash::stash_held_by_slot", "attnstash::stash_record_id", "attnstash::stash_release"}) {
     SCOPED_TRACE(name);
     EXPECT_NO_THROW(Op(name));
   }

@@ -65,7 +65,7 @@ def test_the_budget_is_the_stashs_own_and_works_without_the_installer():
     with torch.no_grad():
         outs = [ops.sdpa_fwd_keep(q, k, v, a, 0) for a in anchors]
     # The third keep made room by demoting the oldest record: the newest two are kept.
-    held = [ops.entry_id(a, 0) for a in anchors]
+    held = [ops.record_id(a, 0) for a in anchors]
     assert all(held) and attnstash.stash_stats()["bytes"] == 2 * one
     assert attnstash.stash_stats()["declined"] == declined + 1
     with torch.no_grad():  # every recompute still gets the right output: the demoted one runs it

@@ -1,5 +1,5 @@
-// stash_entries.cpp: the process-wide registry of kept attention, over the C core.
-#include "stash_entries.h"
+// records.cpp: the process-wide registry of kept attention, over the C core.
+#include "records.h"
 
 #include <c10/util/Exception.h>
 
@@ -22,31 +22,18 @@ stash_registry* registry() {
   return reg;
 }
 
-// The registry's payload callbacks: one reference of a KeptEntry ...
-void retain_entry(void* payload) { c10::raw::intrusive_ptr::incref(static_cast<KeptEntry*>(payload)); }
-void release_entry(void* payload) { c10::raw::intrusive_ptr::decref(static_cast<KeptEntry*>(payload)); }
+// The registry's payload callbacks: one reference of a Record ...
+void retain_record(void* payload) { c10::raw::intrusive_ptr::incref(static_cast<Record*>(payload)); }
+void release_record(void* payload) { c10::raw::intrusive_ptr::decref(static_cast<Record*>(payload)); }
 
-// ... and its declined stand-in, when the budget needs its room: the call's description
-// without the tensors (a new object: whoever holds the kept one keeps it whole).
-void* demote_entry(void* payload) noexcept {
+// ... and its demoted stand-in, when the budget needs its room: the call it was kept for, in
+// the Demoted state (a new object: whoever holds the kept one keeps it whole).
+void* demote_record(void* payload) noexcept {
   try {
-    const auto& kept = *static_cast<const KeptEntry*>(payload);
-    auto stand_in = c10::make_intrusive<KeptEntry>();
-    stand_in->declined = stand_in->evicted = true;
-    stand_in->non_reentrant = kept.non_reentrant;
-    stand_in->attention.backend = kept.attention.backend;
-    stand_in->query = kept.query;
-    stand_in->key = kept.key;
-    stand_in->value = kept.value;
-    stand_in->mask = kept.mask;
-    stand_in->mask_impl = kept.mask_impl;
-    stand_in->mask_version = kept.mask_version;
-    stand_in->dropout_p = kept.dropout_p;
-    stand_in->is_causal = kept.is_causal;
-    stand_in->scale = kept.scale;
-    stand_in->enable_gqa = kept.enable_gqa;
-    stand_in->anchor_storage = kept.anchor_storage;
-    if (kept.non_reentrant) stand_in->refill = std::make_shared<KeptEntry::Refill>();
+    const auto& kept = *static_cast<const Record*>(payload);
+    auto stand_in = c10::make_intrusive<Record>();
+    stand_in->call = kept.call;
+    stand_in->state = Demoted{kept.call.non_reentrant ? std::make_shared<Demoted::Refill>() : nullptr};
     return stand_in.release();  // the registry's reference
   } catch (...) {
     return nullptr;  // out of memory: the record stays kept
@@ -75,10 +62,10 @@ void release_records_if(F f) {
       &f, nullptr);
 }
 
-const KeptEntry& entry_of(const stash_record& r) { return *static_cast<const KeptEntry*>(r.entry->payload); }
+const Record& record_of(const stash_record& r) { return *static_cast<const Record*>(r.entry->payload); }
 
-stash_entry entry_for(const KeptPtr& entry) {
-  return stash_entry{entry.get(), entry->bytes(), retain_entry, release_entry, demote_entry};
+stash_entry entry_for(const RecordPtr& record) {
+  return stash_entry{record.get(), record->bytes(), retain_record, release_record, demote_record};
 }
 
 std::string shape_str(const stash_key& k) {
@@ -97,10 +84,11 @@ std::string TensorMeta::str() const {
   return s.str();
 }
 
-size_t KeptEntry::bytes() const {
-  if (declined) return 0;
-  size_t n = attention.output.nbytes() + attention.logsumexp.nbytes();
-  for (const auto& t : attention.extra) n += t.defined() ? t.nbytes() : 0;
+size_t Record::bytes() const {
+  const Kept* k = kept();
+  if (k == nullptr) return 0;
+  size_t n = k->attention.output.nbytes() + k->attention.logsumexp.nbytes();
+  for (const auto& t : k->attention.extra) n += t.defined() ? t.nbytes() : 0;
   return n;
 }
 
@@ -117,27 +105,25 @@ stash_key key_of(const at::Tensor& anchor, int64_t slot, const char* op) {
   return key;
 }
 
-bool kept_for(const KeptEntry& entry, const at::Tensor& anchor) {
-  auto alive = entry.anchor_storage.lock();
+bool kept_for(const Record& record, const at::Tensor& anchor) {
+  auto alive = record.call.anchor_storage.lock();
   return alive && alive.get() == anchor.storage().unsafeGetStorageImpl();
 }
 
-Stored stash_store(const stash_key& key, const KeptPtr& entry) {
+namespace records {
+
+Stored store(const stash_key& key, const RecordPtr& record) {
   Stored stored;
   // The registry's reference, made before the record can be seen (and taken) by another
-  // thread; released by release_entry, or below if nothing was stored.
-  c10::raw::intrusive_ptr::incref(entry.get());
-  stash_status s = stash_keep(registry(), &key, entry_for(entry), &stored.id);
-  if (s == STASH_ERR_BUDGET) {
-    // Keep only what the recompute needs to run the forward itself and to check its call.
-    entry->declined = true;
-    const SdpaBackend* backend = entry->attention.backend;
-    entry->attention = KeptAttention{};
-    entry->attention.backend = backend;
+  // thread; released by release_record, or below if nothing was stored.
+  c10::raw::intrusive_ptr::incref(record.get());
+  stash_status s = stash_keep(registry(), &key, entry_for(record), &stored.id);
+  if (s == STASH_ERR_BUDGET) {  // keep only what the recompute needs to run the forward and check its call
+    record->state = Declined{};
     stored.declined = true;
-    s = stash_decline(registry(), &key, entry_for(entry), &stored.id);
+    s = stash_decline(registry(), &key, entry_for(record), &stored.id);
   }
-  if (s != STASH_OK) c10::raw::intrusive_ptr::decref(entry.get());
+  if (s != STASH_OK) c10::raw::intrusive_ptr::decref(record.get());
   if (s == STASH_ERR_DUPLICATE) {
     stored.duplicate = true;
     stored.id = 0;
@@ -147,32 +133,32 @@ Stored stash_store(const stash_key& key, const KeptPtr& entry) {
   return stored;
 }
 
-bool stash_share(const stash_key& key, uint64_t id) { return ::stash_share(registry(), &key, id) == STASH_OK; }
+bool share(const stash_key& key, uint64_t id) { return stash_share(registry(), &key, id) == STASH_OK; }
 
-Taken stash_take(const stash_key& key, uint64_t id) {
+Taken take(const stash_key& key, uint64_t id) {
   stash_entry e{};
   Taken taken;
-  if (::stash_take(registry(), &key, id, &e, &taken.id, nullptr) == STASH_OK)
-    taken.entry = KeptPtr::reclaim(static_cast<KeptEntry*>(e.payload));  // the reference handed to us
+  if (stash_take(registry(), &key, id, &e, &taken.id, nullptr) == STASH_OK)
+    taken.record = RecordPtr::reclaim(static_cast<Record*>(e.payload));  // the reference handed to us
   return taken;
 }
 
-Taken stash_peek(const stash_key& key) {
+Taken peek(const stash_key& key) {
   Taken found;
   peek_record(key, [&](const stash_record& r) {
-    found.entry = KeptPtr::unsafe_reclaim_from_nonowning(static_cast<KeptEntry*>(r.entry->payload));
+    found.record = RecordPtr::unsafe_reclaim_from_nonowning(static_cast<Record*>(r.entry->payload));
     found.id = r.id;
   });
   return found;
 }
 
-bool stash_release(int64_t id) { return id > 0 && stash_release_id(registry(), static_cast<uint64_t>(id)) == STASH_OK; }
+bool release(int64_t id) { return id > 0 && stash_release_id(registry(), static_cast<uint64_t>(id)) == STASH_OK; }
 
-void stash_release_freed() {
-  release_records_if([](const stash_record& r) { return entry_of(r).anchor_storage.expired(); });
+void release_freed() {
+  release_records_if([](const stash_record& r) { return record_of(r).call.anchor_storage.expired(); });
 }
 
-std::vector<std::pair<int64_t, std::string>> stash_release_stale(const stash_key& key) {
+std::vector<std::pair<int64_t, std::string>> release_stale(const stash_key& key) {
   std::vector<std::pair<int64_t, std::string>> stale;
   auto same_slot = [&](const stash_record& r) { return r.key->anchor == key.anchor && r.key->slot == key.slot; };
   visit_records([&](const stash_record& r) {
@@ -182,8 +168,8 @@ std::vector<std::pair<int64_t, std::string>> stash_release_stale(const stash_key
   return stale;
 }
 
-c10::Dict<std::string, int64_t> stash_stats() {
-  stash_release_freed();  // what freed anchors left is no longer held for anyone
+c10::Dict<std::string, int64_t> stats() {
+  release_freed();  // what freed anchors left is no longer held for anyone
   ::stash_stats s{};
   stash_get_stats(registry(), &s);
   c10::Dict<std::string, int64_t> out;
@@ -196,7 +182,7 @@ c10::Dict<std::string, int64_t> stash_stats() {
   return out;
 }
 
-c10::Dict<std::string, std::string> stash_stats_meanings() {
+c10::Dict<std::string, std::string> stats_meanings() {
   c10::Dict<std::string, std::string> out;
 #define ATTNSTASH_STAT(name, meaning) out.insert(#name, meaning);
   STASH_STATS_FIELDS(ATTNSTASH_STAT)
@@ -204,19 +190,19 @@ c10::Dict<std::string, std::string> stash_stats_meanings() {
   return out;
 }
 
-int64_t stash_clear() {
+int64_t clear() {
   size_t released = 0;
-  ::stash_clear(registry(), &released);
+  stash_clear(registry(), &released);
   return static_cast<int64_t>(released);
 }
 
-void stash_reset_peak() { ::stash_reset_peak(registry()); }
+void reset_peak() { stash_reset_peak(registry()); }
 
-void stash_set_max_bytes(int64_t max_bytes) {
-  ::stash_set_max_bytes(registry(), max_bytes < 0 ? UINT64_MAX : static_cast<uint64_t>(max_bytes));
+void set_max_bytes(int64_t max_bytes) {
+  stash_set_max_bytes(registry(), max_bytes < 0 ? UINT64_MAX : static_cast<uint64_t>(max_bytes));
 }
 
-std::vector<int64_t> stash_held_by_slot() {
+std::vector<int64_t> held_by_slot() {
   struct Held {
     int64_t entries = 0, bytes = 0, declined = 0;
   };
@@ -232,22 +218,24 @@ std::vector<int64_t> stash_held_by_slot() {
   return flat;
 }
 
-std::vector<int64_t> stash_held_ids() {
+std::vector<int64_t> held_ids() {
   std::vector<int64_t> ids;
   visit_records([&](const stash_record& r) { ids.push_back(static_cast<int64_t>(r.id)); });
   return ids;
 }
 
-int64_t stash_entry_id(const at::Tensor& anchor, int64_t slot) {
-  stash_key key = key_of(anchor, slot, "stash_entry_id");
+int64_t record_id(const at::Tensor& anchor, int64_t slot) {
+  stash_key key = key_of(anchor, slot, "stash_record_id");
   int64_t id = 0;
   peek_record(key, [&](const stash_record& r) {
-    if (kept_for(entry_of(r), anchor)) id = static_cast<int64_t>(r.id);
+    if (kept_for(record_of(r), anchor)) id = static_cast<int64_t>(r.id);
   });
   return id;
 }
 
-EntryOwner::~EntryOwner() {
+}  // namespace records
+
+RecordOwner::~RecordOwner() {
   if (!taken) stash_release_id(registry(), id);
 }
 

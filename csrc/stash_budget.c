@@ -1,0 +1,93 @@
+/* stash_budget.c: making room under the budget (stash_registry.h, Budget): the oldest
+ * kept records that can be demoted become declined ones, all or nothing. */
+#define _POSIX_C_SOURCE 200809L
+
+#include "stash_internal.h"
+
+#include <stdlib.h>
+
+int registry_make_room(stash_registry *r, size_t bytes, demoted_payload **to_release) {
+  stash_stats *s = &r->stats;
+  if (bytes > s->max_bytes) return 0;
+  uint64_t room_needed = s->bytes > s->max_bytes - bytes ? s->bytes - (s->max_bytes - bytes) : 0;
+  if (room_needed == 0) return 1;
+  /* The victims, oldest first, until they free enough (a record is picked once: its id
+   * is taken out of the running by the `after` bound). */
+  size_t count = 0, capacity = 0;
+  stash_node **victims = NULL;
+  uint64_t freed = 0, after = 0;
+  while (freed < room_needed) {
+    stash_node *oldest = NULL;
+    for (size_t b = 0; b < r->bucket_count; ++b) {
+      for (stash_node *node = r->buckets[b]; node != NULL; node = node->next) {
+        if (!node->declined && node->entry.demote != NULL && node->id > after &&
+            (oldest == NULL || node->id < oldest->id)) {
+          oldest = node;
+        }
+      }
+    }
+    if (oldest == NULL) break;
+    if (count == capacity) {
+      capacity = capacity ? capacity * 2 : 8;
+      stash_node **grown = realloc(victims, capacity * sizeof *victims);
+      if (grown == NULL) break;
+      victims = grown;
+    }
+    victims[count++] = oldest;
+    freed += oldest->entry.bytes;
+    after = oldest->id;
+  }
+  int ok = freed >= room_needed;
+  /* Stand-ins first, all of them, before anything changes. */
+  demoted_payload *made = NULL;
+  for (size_t i = 0; ok && i < count; ++i) {
+    demoted_payload *d = malloc(sizeof *d);
+    void *stand_in = d != NULL ? victims[i]->entry.demote(victims[i]->entry.payload) : NULL;
+    if (stand_in == NULL) {
+      free(d);
+      ok = 0;
+      break;
+    }
+    d->entry = victims[i]->entry;
+    d->entry.payload = stand_in;
+    d->next = made;
+    made = d;
+  }
+  if (!ok) { /* nothing changes; the stand-ins made in vain are released after unlocking */
+    while (made != NULL) {
+      demoted_payload *next = made->next;
+      made->next = *to_release;
+      *to_release = made;
+      made = next;
+    }
+    free(victims);
+    return 0;
+  }
+  /* `made` lists the stand-ins in reverse order of victims. */
+  for (size_t i = count; i-- > 0;) {
+    demoted_payload *d = made;
+    made = made->next;
+    stash_node *victim = victims[i];
+    void *stand_in = d->entry.payload;
+    d->entry = victim->entry; /* now: the payload the record held, to release */
+    d->next = *to_release;
+    *to_release = d;
+    s->bytes -= victim->entry.bytes;
+    s->keeps -= victim->refs;
+    s->declined += victim->refs;
+    victim->entry.payload = stand_in;
+    victim->entry.bytes = 0;
+    victim->declined = 1;
+  }
+  free(victims);
+  return 1;
+}
+
+void registry_release_demoted(demoted_payload *demoted) {
+  while (demoted != NULL) {
+    demoted_payload *next = demoted->next;
+    if (demoted->entry.release != NULL) demoted->entry.release(demoted->entry.payload);
+    free(demoted);
+    demoted = next;
+  }
+}

@@ -1,0 +1,45 @@
+/* stash_internal.h: what the registry's two files share (stash_registry.c: the table and
+ * the API; stash_budget.c: making room under the budget). Not part of the contract. */
+#ifndef ATTNSTASH_STASH_INTERNAL_H
+#define ATTNSTASH_STASH_INTERNAL_H
+
+#include "stash_registry.h"
+
+#include <pthread.h>
+
+typedef struct stash_node {
+  struct stash_node *next;
+  stash_key key;
+  stash_entry entry;
+  uint64_t id;
+  uint32_t refs;
+  int declined;
+} stash_node;
+
+struct stash_registry {
+  pthread_mutex_t mutex;
+  stash_node **buckets;
+  size_t bucket_count; /* always a power of two */
+  uint64_t next_id;
+  stash_stats stats;   /* entries doubles as the table's size */
+};
+
+/* How a predicate or visitor sees a node. */
+stash_record registry_record_of(const stash_node *node);
+
+/* A payload the registry drops: released after the lock is released. */
+typedef struct demoted_payload {
+  struct demoted_payload *next;
+  stash_entry entry;
+} demoted_payload;
+
+/* Makes room for `bytes` more under the budget by demoting the oldest demotable records,
+ * with the lock held. All or nothing: returns 0, changing nothing, if that cannot make
+ * room (or memory runs out). The payloads to release after unlocking (those the demoted
+ * records held; on failure, the stand-ins made in vain) are chained onto *to_release. */
+int registry_make_room(stash_registry *r, size_t bytes, demoted_payload **to_release);
+
+/* Outside the lock: releases the registry's references to the demoted payloads. */
+void registry_release_demoted(demoted_payload *demoted);
+
+#endif /* ATTNSTASH_STASH_INTERNAL_H */

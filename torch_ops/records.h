@@ -1,0 +1,172 @@
+// records.h: the C++ side of the stash. Adapts the C registry (csrc/stash_registry.h: its
+// words, record, kept, declined, demoted, slot, anchor, are used here in the same sense) to
+// tensors: one process-wide registry whose entries' payloads are Records.
+#pragma once
+
+#include "sdpa_backend.h"
+#include "stash_registry.h"
+
+#include <ATen/core/Dict.h>
+#include <ATen/core/ivalue.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/core/UndefinedTensorImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <variant>
+#include <vector>
+
+namespace attnstash {
+
+// Shape, dtype and device of one tensor of the kept call, checked at replay.
+struct TensorMeta {
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
+
+  static TensorMeta of(const at::Tensor& t) { return {t.sizes().vec(), t.scalar_type(), t.device()}; }
+  bool operator==(const TensorMeta& o) const { return sizes == o.sizes && dtype == o.dtype && device == o.device; }
+  std::string str() const;
+};
+
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+// A first forward's attention call as its recompute must repeat it (keep_replay.cpp,
+// call_difference, compares them), and what it was kept for.
+struct CallSignature {
+  const SdpaBackend* backend = nullptr;  // the kept backend F.sdpa chose
+  TensorMeta query, key, value;
+  std::optional<TensorMeta> mask;
+  // The first forward's mask, weakly: while it lives, the recompute's mask is compared with it
+  // (the same memory by version, other memory by content). The mask itself is not kept.
+  WeakTensor mask_impl{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+  int64_t mask_version = 0;
+  double dropout_p = 0.0;
+  bool is_causal = false;
+  std::optional<double> scale;
+  bool enable_gqa = false;
+  // The anchor's storage, weakly: a freed anchor's address can be reused by a new tensor of
+  // the same version and shape; comparing storages (which a weak reference keeps from being
+  // reused) tells them apart.
+  c10::weak_intrusive_ptr<c10::StorageImpl> anchor_storage{c10::intrusive_ptr<c10::StorageImpl>()};
+  // Kept behind its first forward's own node (non-reentrant checkpointing): the recompute only
+  // refills what that node saved, and the node's backward takes the record.
+  bool non_reentrant = false;
+};
+
+// A record's state, each with the data it carries. A non-reentrant node decides from it what
+// to save (node_saves_output), its recompute what to run, its backward what to use.
+struct Kept {  // holds the attention: the recompute takes it
+  KeptAttention attention;
+  int64_t output_version = 0;  // to detect an in-place change of the returned output
+};
+struct Declined {};  // declined when stored: a non-reentrant node saved the output itself
+struct Demoted {     // demoted after it was kept (the registry's Budget)
+  // For a non-reentrant record: its node saved no output, so its recompute, which runs the
+  // forward, leaves the result here for that node's backward (null for a reentrant record).
+  struct Refill {
+    std::mutex mutex;
+    std::optional<KeptAttention> attention;
+  };
+  std::shared_ptr<Refill> refill;
+};
+using RecordState = std::variant<Kept, Declined, Demoted>;
+
+// The payload of one record: everything a first forward leaves for its recompute.
+// Reference-counted: forwards that repeat one another (the same anchor, bitwise the same
+// attention) share one record.
+struct Record : c10::intrusive_ptr_target {
+  CallSignature call;
+  RecordState state;
+
+  const Kept* kept() const { return std::get_if<Kept>(&state); }
+  size_t bytes() const;  // what the registry counts for it: a kept record's tensors
+};
+using RecordPtr = c10::intrusive_ptr<Record>;
+
+// The registry key of (anchor, slot): its data pointer, version and shape, and the slot.
+stash_key key_of(const at::Tensor& anchor, int64_t slot, const char* op);
+
+// Whether `record` was kept for this very anchor tensor (not a freed one at the same address).
+bool kept_for(const Record& record, const at::Tensor& anchor);
+
+// The registry, as the ops use it. (Named apart from the C API's stash_* functions.)
+namespace records {
+
+// What storing a first forward's record did.
+struct Stored {
+  uint64_t id = 0;         // the record now held for it (0: a duplicate, nothing stored)
+  bool declined = false;   // the budget had no room: a declined record was stored instead
+  bool duplicate = false;  // a record is already held under this key: nothing was stored
+};
+
+// Store a kept record under `key`; when the budget has no room for it, make it Declined
+// (dropping its tensors) and store that.
+Stored store(const stash_key& key, const RecordPtr& record);
+
+// One more forward shares the record `id` under `key`; false if it is gone.
+bool share(const stash_key& key, uint64_t id);
+
+// A record taken back: one reference to it, and its id.
+struct Taken {
+  RecordPtr record;  // null: nothing was held (a miss)
+  uint64_t id = 0;
+};
+
+// Take one forward's reference of the record under `key` (with this id, unless 0).
+Taken take(const stash_key& key, uint64_t id);
+
+// The record held under `key`, left held (null if none), and its id.
+Taken peek(const stash_key& key);
+
+// Release one forward's reference of record `id`; false if it is not held.
+bool release(int64_t id);
+
+// Release every record whose anchor storage has been freed. Called by both ops on entry.
+void release_freed();
+
+// Every record under this anchor pointer and slot whatever its version and shape, as
+// (version, shape) strings for a diagnosis, after releasing them (they can never be
+// matched again: versions only grow, shapes are fixed).
+std::vector<std::pair<int64_t, std::string>> release_stale(const stash_key& key);
+
+// The counters by name (STASH_STATS_FIELDS), for attnstash.stash_stats().
+c10::Dict<std::string, int64_t> stats();
+
+// The meaning of each counter, by name.
+c10::Dict<std::string, std::string> stats_meanings();
+
+// Release everything; returns how many records.
+int64_t clear();
+
+// Set peak_bytes to the bytes held now.
+void reset_peak();
+
+// Set the budget in bytes; a negative value removes it. (What it does: stash_registry.h, Budget.)
+void set_max_bytes(int64_t max_bytes);
+
+// Flattened [slot, records, bytes, declined records] quadruples, one per slot held.
+std::vector<int64_t> held_by_slot();
+
+// The ids of every record held now.
+std::vector<int64_t> held_ids();
+
+// The id of the record held for (anchor, slot), 0 if none.
+int64_t record_id(const at::Tensor& anchor, int64_t slot);
+
+}  // namespace records
+
+// Owns one forward's reference to a record for the life of that forward's graph node
+// (non-reentrant checkpointing): the node's backward takes it (taken = true), and a graph
+// dropped without a backward releases it as the node is destroyed.
+struct RecordOwner : torch::CustomClassHolder {
+  stash_key key;
+  uint64_t id = 0;
+  bool taken = false;
+  RecordOwner(const stash_key& k, uint64_t i) : key(k), id(i) {}
+  ~RecordOwner() override;
+};
+
+}  // namespace attnstash
