@@ -1,8 +1,8 @@
 # attnstash: every command a developer or CI needs. Each target does its own set-up.
 #
 #   make demo       the main job: fine-tune a small decoder without and with the stash
-#   make test       venv + build + GoogleTest (ctest) + pytest, and the Hugging Face
-#                   tests again under transformers 4.57.6 and 5.17.0 (a venv each, same torch)
+#   make test       venv + build + GoogleTest (ctest) + pytest; the Hugging Face tests again
+#                   under each transformers of HF_ALSO; timm; LLaMA-Factory and axolotl (a venv each)
 #   make sanitize   the C registry suite under ASan+UBSan, and under TSan
 #   make bench      python -m attnstash.bench (BENCH_ARGS="--mode layer", "--mode soak", ...)
 #   make sweep      every model type of the three transformers versions, with and without the stash
@@ -28,7 +28,7 @@ BUILD_DIR ?= build/$(notdir $(VENV))
 PYTEST_ARGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all venv gtest build demo bench test test-cpp test-python print-hf-tests hf-venvs test-hf-also test-timm sweep torch-matrix transformers-matrix sanitize clean
+.PHONY: all venv gtest build demo bench test test-cpp test-python print-hf-tests hf-venvs test-hf-also test-timm test-tools sweep torch-matrix transformers-matrix sanitize clean
 all: test
 
 venv:
@@ -113,7 +113,13 @@ ifndef NO_VENV
 	cd $(TIMM_VENV) && bin/python -m pytest $(CURDIR)/tests/python/test_timm.py -q -p no:cacheprovider $(PYTEST_ARGS)
 endif
 
-test: test-cpp test-python test-hf-also test-timm
+# LLaMA-Factory and axolotl pin transformers releases of their own: a venv each (tests/tools/run.sh).
+test-tools: build
+ifndef NO_VENV
+	BOOTSTRAP_PYTHON=$(BOOTSTRAP_PYTHON) TORCH=$(TORCH) bash tests/tools/run.sh
+endif
+
+test: test-cpp test-python test-hf-also test-timm test-tools
 
 # The supported-model sweep: every model type of each transformers (the pinned one and HF_ALSO),
 # built tiny, trained with and without the stash; out/sweep-<version>/.

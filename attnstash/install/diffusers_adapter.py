@@ -12,14 +12,13 @@ checkpoints the block's module call (MODULE_CALL).
 """
 import ast
 import functools
-import inspect
 import sys
 import textwrap
 
 import torch
 
 from . import torch_adapter
-from .layers import Found, MODULE_CALL
+from .layers import Found, MODULE_CALL, source_calls, source_of
 
 CALL = "_gradient_checkpointing_func"
 _ANY = "*"  # a path step: every item of the collection
@@ -63,8 +62,7 @@ def has_attention(block):
 
 @functools.lru_cache(maxsize=None)
 def _processor_class_attends(cls):
-    source = _source(cls)
-    return "scaled_dot_product_attention" in source or "dispatch_attention_fn" in source
+    return source_calls(cls, ("scaled_dot_product_attention", "dispatch_attention_fn"))
 
 
 def _processor_attends(processor):
@@ -108,9 +106,9 @@ def checkpointed_paths(cls):
     to self._gradient_checkpointing_func, from its source and its diffusers base classes'."""
     paths = set()
     for klass in cls.__mro__:
-        if not klass.__module__.startswith("diffusers") or CALL not in _source(klass):
+        if not klass.__module__.startswith("diffusers") or CALL not in source_of(klass):
             continue
-        tree = ast.parse(textwrap.dedent(_source(klass)))
+        tree = ast.parse(textwrap.dedent(source_of(klass)))
         parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
         for call in ast.walk(tree):
             if _is_checkpoint_call(call) and call.args:
@@ -118,13 +116,6 @@ def checkpointed_paths(cls):
                 if path is not None:
                     paths.add(path)
     return frozenset(paths)
-
-
-def _source(klass):
-    try:
-        return inspect.getsource(klass)
-    except (OSError, TypeError):
-        return ""
 
 
 def _is_checkpoint_call(node):

@@ -36,9 +36,11 @@ def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=No
     found = find_layers(model, layers)
     candidates = [(i, f) for i, f in enumerate(found) if f.stashable]
     if not candidates:
-        raise InstallError(f"attnstash: none of the {len(found)} layers found in {type(model).__name__} has attention "
-                           "(a module that calls F.scaled_dot_product_attention) and is checkpointed; name the "
-                           "layers with layers=.")
+        raise InstallError(f"attnstash: none of the {len(found)} layers found in {type(model).__name__} is one to "
+                           "stash: a checkpointed layer with a module whose class calls attention, as attnstash "
+                           "reads the classes' source (install/layers.py, source_calls). If a layer calls "
+                           "F.scaled_dot_product_attention in a way that reading misses, name the layers with "
+                           "layers=.")
     count = len(candidates) if count_wanted is None else count_wanted
     if not 1 <= count <= len(candidates):
         raise InstallError(f"attnstash: num_layers must be between 1 and the {len(candidates)} attention layers of "

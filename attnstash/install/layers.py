@@ -1,7 +1,11 @@
 """Which layers of a model the installer considers, asked of one adapter per kind of model
 (transformers_adapter.py, diffusers_adapter.py, torch_adapter.py). Nothing here needs the
 compiled ops: the planner reads it too."""
+import functools
+import inspect
 import operator
+import re
+import sys
 from typing import NamedTuple
 
 import torch
@@ -18,6 +22,32 @@ class Found(NamedTuple):
     name: str
     stashable: bool
     reach: str
+
+
+def source_calls(klass, words):
+    """Whether a class calls one of `words` (names of attention functions) as the adapters read
+    it: its source names one, or names a function of its own module whose source does, directly
+    or as a value of a module-level dict (the table ModernBERT's attention picks its function
+    from)."""
+    source = source_of(klass)
+    if any(w in source for w in words):
+        return True
+    module = sys.modules.get(klass.__module__)
+    for name in set(re.findall(r"[A-Za-z_]\w*", source)):
+        value = getattr(module, name, None)
+        for f in (value.values() if isinstance(value, dict) else (value,)):
+            if inspect.isfunction(f) and f.__module__ == klass.__module__ and any(w in source_of(f) for w in words):
+                return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def source_of(obj):
+    """An object's source ("" where there is none: a builtin, a class made at run time)."""
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        return ""
 
 
 from . import diffusers_adapter, torch_adapter, transformers_adapter  # noqa: E402 (they use Found)

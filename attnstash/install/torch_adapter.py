@@ -8,12 +8,11 @@ torch.nn.MultiheadAttention. Layers the user names (layers=: a module class, or 
 taken as given. Either way the checkpoint runs the layer module itself (MODULE_CALL).
 """
 import functools
-import inspect
 
 import torch
 
 from ..errors import InstallError
-from .layers import Found, MODULE_CALL
+from .layers import Found, MODULE_CALL, source_calls
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,11 +24,8 @@ def class_calls_sdpa(cls):
     for klass in cls.__mro__:
         if klass.__module__.startswith("torch."):
             continue
-        try:
-            if "scaled_dot_product_attention" in inspect.getsource(klass):
-                return True
-        except (OSError, TypeError):
-            continue
+        if source_calls(klass, ("scaled_dot_product_attention",)):
+            return True
     return False
 
 

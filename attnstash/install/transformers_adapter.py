@@ -11,7 +11,6 @@ carries a descriptor for that attribute, so that whatever sets it (gradient_chec
 before or after the install, Trainer, PEFT) a stashed layer reads attnstash's stand-in for it.
 """
 import functools
-import inspect
 import os
 import re
 import sys
@@ -19,7 +18,7 @@ import sys
 import torch
 
 from ..errors import InstallError, UnsupportedVersionError
-from .layers import CHECKPOINT_FUNCTION, Found
+from .layers import CHECKPOINT_FUNCTION, Found, source_calls
 
 SUPPORTED = ((4, 57), (5, 24))
 """The transformers releases attnstash was checked on, oldest and newest (major, minor):
@@ -86,11 +85,7 @@ def class_has_attention(cls):
     for klass in cls.__mro__:
         if klass is torch.nn.Module or not klass.__module__.startswith("transformers"):
             continue
-        try:
-            source = inspect.getsource(klass)
-        except (OSError, TypeError):
-            continue
-        if "ALL_ATTENTION_FUNCTIONS" in source or "scaled_dot_product_attention" in source:
+        if source_calls(klass, ("ALL_ATTENTION_FUNCTIONS", "scaled_dot_product_attention")):
             return True
     return False
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attnstash
-from tiny_torch_models import Block, gpt, ids, loss_and_grads, wrapped
+from tiny_torch_models import Block, TableBlock, gpt, ids, loss_and_grads, wrapped
 from tiny_models import assert_bitwise_equal
 
 MODES = ("reentrant", "non-reentrant")
@@ -73,6 +73,12 @@ def test_several_attention_calls_per_forward_are_each_kept_and_replayed(mode, in
 def test_attention_through_a_name_imported_before_the_install(mode, installed):
     base = gpt(checkpointing=mode, by_name=True)
     assert_the_stash_gives_the_normal_recompute(base, installed, 3, layers=Block)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_picked_from_a_module_level_table_is_found(mode, installed):
+    base = wrapped(gpt(block_class=TableBlock), mode)
+    assert assert_the_stash_gives_the_normal_recompute(base, installed, 3) == [0, 1, 2]
 
 
 def test_num_layers_counts_from_the_last(installed):

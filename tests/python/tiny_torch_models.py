@@ -32,16 +32,40 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
+def _attend(q, k, v, **kwargs):
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+ATTENTION_FUNCTIONS = {"sdpa": _attend}  # a module-level table of attention functions
+
+
+class TableBlock(nn.Module):
+    """Attention taken from a module-level table, as ModernBERT's is in transformers 4.57: this
+    class's own source never names it."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        out = ATTENTION_FUNCTIONS["sdpa"](q, k, v, attn_mask=mask, is_causal=mask is None)
+        return x + self.proj(out.transpose(1, 2).reshape(b, s, d))
+
+
 class GPT(nn.Module):
     """Embedding, blocks, head. `checkpointing`: None, "reentrant" or "non-reentrant": its forward
     checkpoints each block itself (torch.utils.checkpoint.checkpoint(block, x)), as nanoGPT- and
     litgpt-style code does."""
 
-    def __init__(self, layers=3, dim=32, heads=4, checkpointing="non-reentrant", preserve_rng_state=True, **block):
+    def __init__(self, layers=3, dim=32, heads=4, checkpointing="non-reentrant", preserve_rng_state=True,
+                 block_class=Block, **block):
         super().__init__()
         self.checkpointing, self.preserve_rng_state = checkpointing, preserve_rng_state
         self.embed = nn.Embedding(VOCAB, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, **block) for _ in range(layers))
+        self.blocks = nn.ModuleList(block_class(dim, heads, **block) for _ in range(layers))
         self.head = nn.Linear(dim, VOCAB)
 
     def forward(self, ids, mask=None):
@@ -64,7 +88,7 @@ def wrapped(model, mode="non-reentrant"):
     impl = CheckpointImpl.REENTRANT if mode == "reentrant" else CheckpointImpl.NO_REENTRANT
     model.checkpointing = None
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=impl),
-                                   check_fn=lambda m: isinstance(m, Block))
+                                   check_fn=lambda m: isinstance(m, (Block, TableBlock)))
     return model
 
 

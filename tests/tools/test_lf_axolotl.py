@@ -100,11 +100,25 @@ def axolotl_config(assets, out, prepared, plugin, extra=()):
           if plugin else []), *extra])
 
 
+def saved_adapter(model_dir, out):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, task_type="CAUSAL_LM",
+                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), config).save_pretrained(out)
+    return out
+
+
 @pytest.mark.skipif(shutil.which("axolotl", path=str(BIN)) is None, reason="axolotl is not installed here")
 @pytest.mark.parametrize("setup", ["full", "lora"])
 def test_axolotl_train_with_the_plugin(setup, assets, tmp_path):
+    # axolotl's LoRA initialisation is not seeded (two runs without the plugin differ): both runs
+    # start from one adapter saved here, nonzero on both sides so that it shapes the first step.
     lora = ["adapter: lora", "lora_r: 4", "lora_alpha: 8", "lora_target_linear: true", "lora_mlp_kernel: false",
-            "lora_qkv_kernel: false", "lora_o_kernel: false", "lora_embedding_kernel: false"] if setup == "lora" else []
+            "lora_qkv_kernel: false", "lora_o_kernel: false", "lora_embedding_kernel: false",
+            f"lora_model_dir: {saved_adapter(assets['model'], tmp_path / 'adapter')}"] if setup == "lora" else []
     outputs = {}
     for plugin in (False, True):
         out = tmp_path / f"out-{plugin}"
