@@ -1,34 +1,33 @@
-"""make demo: fine-tune a small Hugging Face decoder without and with the attention stash.
+"""make demo: fine-tune small models without and with the attention stash, losses bitwise equal.
 
-A Qwen3 decoder is built from a config (random weights, no download; the shape is the
-"demo" preset of attnstash.bench.models) and trained on examples/corpus.txt with a
-byte-level tokenizer (one token per UTF-8 byte, so nothing is fetched). Every run uses
-Hugging Face reentrant gradient checkpointing; the two runs of a configuration start from
-the same seed, see the same batches and alternate step by step (so both see the same
-machine load). Three configurations:
+Each configuration trains two runs from the same seed on the same batches, alternating step by
+step (so both see the same machine load): run A with activation checkpointing (every recompute
+runs its attention forward again), run B the same with attnstash.install_attention_stash (the
+recompute reuses the kept output). Nothing is downloaded: the decoder is a Qwen3 built from a
+config (the "demo" preset of attnstash.bench.models) trained on examples/corpus.txt with a
+byte-level tokenizer; the diffusion transformer is diffusers' FluxTransformer2DModel, built small.
 
-    plain    fp32, fixed-length batches: run A (every layer's recompute runs its attention
-             forward again) against run B, the same with attnstash.install_attention_stash
-             on the last N layers (all by default): their recompute reuses the kept output
-    amp      fp32 weights trained under torch.autocast (bfloat16 by default; on CUDA the
-             device's autocast), without and with the stash on all layers. On a CPU without
-             bf16/fp16 matrix instructions autocast is several times slower than fp32, so
-             this one trains shorter sequences (--amp-seq) for fewer steps
-    budget   batches of varying length (--min-seq to --seq tokens) and the stash on all
-             layers under a budget (max_bytes) that holds half the layers of the longest
-             batch: short batches keep every layer, long ones only some; the others are
-             declined and their recomputes run attention as usual. The stash's peak must
-             never pass the budget (asserted every step)
+    plain           the decoder, fp32, reentrant checkpointing, fixed-length batches, the stash
+                    on the last --stash-layers layers (all by default)
+    amp             fp32 weights under torch.autocast (--amp bf16|fp16; on a CPU without bf16
+                    matrix instructions autocast is slow, so shorter sequences, fewer steps)
+    budget          batches of --min-seq to --seq tokens and the stash on every layer under a
+                    budget (--max-bytes, default half the layers of the longest batch): short
+                    batches keep every layer, long ones some; the stash's peak is asserted never
+                    above the budget
+    diffusers-lora  a Flux transformer with PEFT LoRA adapters on its attention projections
+                    (diffusers' add_adapter, peft.LoraConfig as diffusers' training scripts write
+                    it), the base frozen, diffusers' default checkpointing (non-reentrant), a
+                    flow-matching loss on random latents; the installer finds the blocks itself
 
-Reported per configuration: the loss of both runs at every step (on CPU the losses must be
-bitwise equal), step times (forward + backward of one micro-batch, the optimizer step
-excluded, the first step dropped as warm-up), what the stash kept; for the budget run the
-bytes held after each forward, each step's peak and declined keeps, and a plot of them
-against the budget (demo_budget.png). demo.png plots the plain configuration.
+Reported per configuration: every step's loss of both runs (on CPU bitwise equal, or the exit
+status is 1), step times (forward + backward, the optimizer step excluded, the first step
+dropped as warm-up), what the stash kept against the planner's prediction; demo.json, demo.png
+(the plain configuration) and demo_budget.png (the bytes held per step against the budget).
 
-    python examples/demo.py                      # the defaults: under a minute on 2 CPU cores
-    python examples/demo.py --steps 60 --seq 512 --stash-layers 2 --out out/demo
-    python examples/demo.py --amp none --budget-steps 0      # only the plain configuration
+    python examples/demo.py                              # all four: under a minute on 2 CPU cores
+    python examples/demo.py --steps 60 --seq 512 --stash-layers 2
+    python examples/demo.py --amp none --budget-steps 0 --lora-steps 0   # only the plain configuration
 """
 import argparse
 import dataclasses
@@ -38,9 +37,10 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.utils import benchmark
 
 import attnstash
-from attnstash.bench import measure, models
+from attnstash.bench import harness, models
 
 HERE = Path(__file__).resolve().parent
 
@@ -57,15 +57,12 @@ class ByteTokenizer:
 
 
 def corpus_batches(tokens, shape, steps, seed, min_seq=None):
-    """`steps` micro-batches of input_ids [batch, length]: windows of the token stream at random
-    offsets (seeded, so both runs get the same ones). The ids are also the labels. length is
-    shape.seq, or with min_seq, drawn for each batch between min_seq and shape.seq (a
-    multiple of 8 where the range allows)."""
+    """`steps` micro-batches of input_ids [batch, length] at random (seeded) offsets of the token
+    stream; length shape.seq, or drawn between min_seq and shape.seq (a multiple of 8 where it can)."""
     data = torch.tensor(tokens, dtype=torch.long)
     if len(data) <= shape.seq:
         raise SystemExit(f"demo: the corpus has {len(data)} tokens; --seq {shape.seq} needs more")
-    g = torch.Generator().manual_seed(seed)
-    out = []
+    g, out = torch.Generator().manual_seed(seed), []
     for _ in range(steps):
         length = shape.seq
         if min_seq is not None:
@@ -77,87 +74,172 @@ def corpus_batches(tokens, shape, steps, seed, min_seq=None):
 
 
 class Run:
-    """One training run: its model, its optimizer, and what each step measured. With
-    stash_layers, the stash is installed on the last that many layers (under max_bytes, the
-    process-wide budget, which close() restores)."""
+    """One training run: a model (checkpointed), AdamW on its trainable parameters, and, with
+    stash_layers (None: all), the stash under max_bytes (close() uninstalls, restoring the budget)."""
 
-    def __init__(self, name, shape, seed, lr, stash_layers, max_bytes=None):
-        self.name, self.amp = name, shape.amp
-        self.model = models.enable_checkpointing(models.build_model(shape, seed=seed), "reentrant")
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
-        self.stash_layers = stash_layers
-        self.budget_before = attnstash.stash_max_bytes()
-        self.stashed = (attnstash.install_attention_stash(self.model, stash_layers, max_bytes=max_bytes)
-                        if stash_layers else [])
+    def __init__(self, name, model, loss, lr, stash=False, stash_layers=None, max_bytes=None, amp=None):
+        self.name, self.model, self.loss, self.amp = name, model, loss, amp
+        self.optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+        self.stashed = attnstash.install_attention_stash(model, stash_layers, max_bytes=max_bytes) if stash else []
         self.losses, self.times_ms, self.kept = [], [], []
 
-    def step(self, input_ids, clock):
-        """One optimizer step on one micro-batch; only forward + backward are timed."""
+    def step(self, batch):
+        """One optimizer step; only forward + backward are timed."""
         self.optimizer.zero_grad(set_to_none=True)
-        held = {}
-        if self.stashed:
-            attnstash.stash_reset_peak()
-            before = attnstash.stash_stats()
+        attnstash.stash_reset_peak()
+        before, held = attnstash.stash_stats(), {}
+        device = next(self.model.parameters()).device
 
-        def after_forward():  # the stash holds its entries between the forward and the backward
-            held["by_layer"] = attnstash.layer_stash_stats(self.model)
+        def forward_backward():
+            with models.autocast(device, self.amp):
+                loss = self.loss(self.model, batch)
+            held["by_layer"] = {str(i): h.bytes for i, h in attnstash.layer_stash_stats(self.model).items()}
             held["bytes"] = attnstash.stash_stats()["bytes"]
+            loss.backward()
+            return loss.detach()
 
-        with measure.collector_paused():
-            loss, ms = clock.time(lambda: models.training_step(self.model, input_ids, after_forward, amp=self.amp))
-        if self.stashed:
-            after = attnstash.stash_stats()
-            held["peak_bytes"] = after["peak_bytes"]
-            held.update({k: after[k] - before[k] for k in ("keeps", "declined", "replays")})
+        with harness.collector_paused():
+            start = benchmark.timer()
+            loss = forward_backward()
+            self.times_ms.append((benchmark.timer() - start) * 1e3)
+        after = attnstash.stash_stats()
+        held.update(peak_bytes=after["peak_bytes"],
+                    **{k: after[k] - before[k] for k in ("keeps", "declined", "replays")})
         self.optimizer.step()
         self.losses.append(loss)
-        self.times_ms.append(ms)
         self.kept.append(held)
-        return loss
 
     def close(self):
         if self.stashed:
             attnstash.uninstall_attention_stash(self.model)
-            attnstash.stash_set_max_bytes(self.budget_before)
             self.stashed = []
 
     def median_ms(self):
-        """Median step time with the first step (warm-up) dropped when there are others."""
-        times = self.times_ms[1:] or self.times_ms
-        return statistics.median(times)
-
-    def total_ms(self):
-        """Sum of the step times with the first step (warm-up) dropped when there are others."""
-        return sum(self.times_ms[1:] or self.times_ms)
+        return statistics.median(self.times_ms[1:] or self.times_ms)
 
 
-def train_pair(plain, stash, batches, clock, desc, progress, after_step=None):
-    """Both runs on the same batches, alternating which goes first; after_step(i) after each pair."""
+def train_pair(make_run, batches, desc, progress, after_step=None):
+    """Runs A (no stash) and B (stash) on the same batches, alternating which goes first; the
+    common report of a configuration."""
+    plain, stash = make_run(False), make_run(True)
+    stashed = stash.stashed
+    same_start = all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), stash.model.parameters()))
+    print(f"  run A: {plain.name}; run B: {stash.name} (layers {stash.stashed}); same initial weights: {same_start}",
+          flush=True)
     bar = None
     if progress:
         from tqdm import tqdm
-        bar = tqdm(total=len(batches), desc=desc, unit="step", file=sys.stderr)
+        bar = tqdm(total=len(batches), desc=desc, unit="step", file=sys.stderr, leave=False)
     try:
-        for i, input_ids in enumerate(batches):
-            order = (plain, stash) if i % 2 == 0 else (stash, plain)  # alternate who goes first
-            for run in order:
-                run.step(input_ids, clock)
+        for i, batch in enumerate(batches):
+            for run in ((plain, stash) if i % 2 == 0 else (stash, plain)):
+                run.step(batch)
             if after_step is not None:
-                after_step(i)
+                after_step(stash.kept[i], i)
             if bar is not None:
-                bar.set_postfix(loss=f"{plain.losses[-1].item():.4f}",
-                                ms=f"{plain.times_ms[-1]:.0f}/{stash.times_ms[-1]:.0f}")
                 bar.update(1)
     finally:
         if bar is not None:
             bar.close()
         stash.close()
+    return {"steps": len(batches), "same_initial_weights": same_start, "stashed": stashed,
+            "losses": {"plain": [x.item() for x in plain.losses], "stash": [x.item() for x in stash.losses]},
+            "losses_bitwise_equal": [torch.equal(a, b) for a, b in zip(plain.losses, stash.losses)],
+            "times_ms": {"plain": plain.times_ms, "stash": stash.times_ms},
+            "median_ms": {"plain": plain.median_ms(), "stash": stash.median_ms()},
+            "total_ms": {"plain": sum(plain.times_ms[1:]), "stash": sum(stash.times_ms[1:])},
+            "kept_by_layer": stash.kept[-1]["by_layer"], "kept_bytes": stash.kept[-1]["bytes"], "per_step": stash.kept}
 
 
-def compare(plain, stash):
-    """The losses of both runs and whether they are bitwise equal, step by step."""
-    return {"losses": {"plain": [x.item() for x in plain.losses], "stash": [x.item() for x in stash.losses]},
-            "losses_bitwise_equal": [torch.equal(a, b) for a, b in zip(plain.losses, stash.losses)]}
+def decoder_run(shape, args, stash_layers=None, max_bytes=None):
+    def make(stash):
+        model = models.enable_checkpointing(models.build_model(shape, seed=args.seed), "reentrant")
+        name = "reentrant checkpointing" + (" + the stash" + (f" under {max_bytes:,} bytes" if max_bytes else "")
+                                            if stash else "")
+        return Run(name, model, lambda m, ids: m(input_ids=ids, labels=ids).loss, args.lr, stash, stash_layers,
+                   max_bytes, shape.amp)
+    return make
+
+
+def prediction(model, shape):
+    planned = models.plan(model, shape)
+    return {"predicted_bytes_per_layer": planned.layers[-1].bytes,
+            "prediction_formula": models.describe_call(planned.layers[-1].calls[0])}
+
+
+def train_plain(shape, args, tokens, stash_layers):
+    print(f"\nplain: {shape.describe()}; {len(tokens):,} corpus tokens (bytes), {args.steps} steps", flush=True)
+    part = train_pair(decoder_run(shape, args, stash_layers), corpus_batches(tokens, shape, args.steps, args.seed + 1),
+                      "plain", not args.no_progress)
+    return {"shape": dataclasses.asdict(shape), "stash_layers": stash_layers,
+            **prediction(models.build_model(shape), shape), **part}
+
+
+def train_amp(shape, args, tokens):
+    seq = args.amp_seq or (shape.seq if shape.device == "cuda" else max(16, shape.seq // 4))
+    amp_shape = dataclasses.replace(shape, seq=seq, dtype="fp32", amp=args.amp)
+    print(f"\namp: {amp_shape.describe()}; {args.amp_steps} steps", flush=True)
+    part = train_pair(decoder_run(amp_shape, args), corpus_batches(tokens, amp_shape, args.amp_steps, args.seed + 2),
+                      f"amp {args.amp}", not args.no_progress)
+    return {"shape": dataclasses.asdict(amp_shape), "autocast": args.amp,
+            **prediction(models.build_model(amp_shape), amp_shape), **part}
+
+
+def train_budget(shape, args, tokens):
+    min_seq = args.min_seq or max(8, shape.seq // 4)
+    if not 1 <= min_seq <= shape.seq:
+        raise SystemExit(f"demo: --min-seq {min_seq} must be between 1 and --seq {shape.seq}")
+    model = models.build_model(shape)
+    longest = models.plan(model, shape).layers[-1].bytes
+    budget = attnstash.parse_bytes(args.max_bytes) if args.max_bytes else max(1, shape.layers // 2) * longest
+    batches = corpus_batches(tokens, shape, args.budget_steps, args.seed + 3, min_seq=min_seq)
+    plans = {n: models.plan(model, dataclasses.replace(shape, seq=n)) for n in {ids.shape[1] for ids in batches}}
+    print(f"\nbudget: {shape.describe().replace(f'seq {shape.seq}', f'seq {min_seq}-{shape.seq}')}; "
+          f"{args.budget_steps} steps; the stash on all {shape.layers} layers under {budget:,} bytes "
+          f"({budget / longest:.2f} layers of the longest batch)", flush=True)
+
+    def check(step, i):
+        assert step["peak_bytes"] <= budget, \
+            f"budget run, step {i + 1}: the stash held {step['peak_bytes']:,} bytes, over its budget of {budget:,}"
+
+    part = train_pair(decoder_run(shape, args, max_bytes=budget), batches, "budget", not args.no_progress, check)
+    for ids, step in zip(batches, part["per_step"]):
+        planned = plans[ids.shape[1]]
+        step.update(seq=ids.shape[1], all_layers_bytes=planned.total_bytes,
+                    predicted_held=planned.layers_within(budget) * planned.layers[-1].bytes)
+    return {"shape": dataclasses.asdict(shape), "min_seq": min_seq, "max_bytes": budget,
+            "predicted_bytes_per_layer": longest, **part,
+            "peak_bytes": max(s["peak_bytes"] for s in part["per_step"]),
+            "declined": sum(s["declined"] for s in part["per_step"]),
+            "keeps": sum(s["keeps"] for s in part["per_step"])}
+
+
+def train_lora(args):
+    """The diffusers-lora configuration (see the module docstring)."""
+    from peft import LoraConfig
+    from attnstash.bench.dit import DiTShape, DiTStep, build_dit
+    device = args.device or "cpu"
+    shape = DiTShape(heads=4, head_dim=32, layers=2, single_layers=2, tokens=args.lora_tokens, text_tokens=64, batch=1,
+                     in_channels=16, joint_dim=64, pooled_dim=32, dtype="fp32" if device == "cpu" else "bf16",
+                     device=device)
+    batches = [DiTStep(shape, seed=args.seed + 10 + i) for i in range(args.lora_steps)]
+    targets = ["to_k", "to_q", "to_v", "to_out.0"]
+    config = LoraConfig(r=8, lora_alpha=8, init_lora_weights="gaussian", lora_dropout=0.0, target_modules=targets)
+
+    def make(stash):
+        model = build_dit(shape, seed=args.seed).requires_grad_(False)
+        torch.manual_seed(args.seed + 1)
+        model.add_adapter(config)
+        model.enable_gradient_checkpointing()
+        return Run("LoRA on a Flux transformer, diffusers' checkpointing" + (" + the stash" if stash else ""), model,
+                   lambda m, step: step.forward(m), 1e-3, stash)
+
+    print(f"\ndiffusers-lora: {shape.describe()}; LoRA r=8 on {', '.join(targets)}; "
+          f"{args.lora_steps} steps", flush=True)
+    part = train_pair(make, batches, "diffusers-lora", not args.no_progress)
+    planned = models.plan(build_dit(shape), **batches[0].kwargs)
+    return {"shape": dataclasses.asdict(shape), "predicted_bytes_per_layer": planned.layers[-1].bytes,
+            "prediction_formula": models.describe_call(planned.layers[-1].calls[0]), **part}
 
 
 def parse_args(argv=None):
@@ -165,30 +247,23 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="examples/demo.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--hidden", type=int, default=None, help=f"hidden size (default {preset['hidden']})")
-    p.add_argument("--layers", type=int, default=None, help=f"decoder layers (default {preset['layers']})")
-    p.add_argument("--heads", type=int, default=None, help=f"query heads (default {preset['heads']})")
-    p.add_argument("--kv-heads", type=int, default=None, help=f"key/value heads (default {preset['kv_heads']})")
-    p.add_argument("--head-dim", type=int, default=None, help=f"head size (default {preset['head_dim']})")
-    p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default {preset['seq']})")
-    p.add_argument("--batch", type=int, default=None, help=f"sequences per micro-batch (default {preset['batch']})")
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps of each plain run (default 30)")
+    for name in ("hidden", "layers", "heads", "kv-heads", "head-dim", "seq", "batch"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"default {preset[name.replace('-', '_')]}")
+    p.add_argument("--steps", type=int, default=30, help="steps of each plain run (default 30)")
     p.add_argument("--stash-layers", type=int, default=None, help="layers the stash keeps (default: all)")
-    p.add_argument("--amp", choices=["bf16", "fp16", "none"], default="bf16",
-                   help="the amp configuration's autocast dtype (default bf16; none skips it)")
+    p.add_argument("--amp", type=lambda s: None if s in ("none", "fp32") else models.dtype_name(s), default="bf16",
+                   metavar="bf16|fp16|none", help="the amp configuration's autocast dtype (none or fp32 skips it)")
     p.add_argument("--amp-steps", type=int, default=8, help="steps of each amp run (default 8; 0 skips)")
-    p.add_argument("--amp-seq", type=int, default=None,
-                   help="the amp runs' sequence length (default: a quarter of --seq on CPU, --seq on CUDA)")
+    p.add_argument("--amp-seq", type=int, default=None, help="the amp runs' length (default a quarter of --seq on CPU)")
     p.add_argument("--budget-steps", type=int, default=12, help="steps of each budget run (default 12; 0 skips)")
-    p.add_argument("--min-seq", type=int, default=None,
-                   help="the budget runs' shortest batch (default: a quarter of --seq; the longest is --seq)")
-    p.add_argument("--max-bytes", default=None,
-                   help='the budget (e.g. "2MB"; default: half the layers of the longest batch)')
+    p.add_argument("--min-seq", type=int, default=None, help="the budget runs' shortest batch (default --seq / 4)")
+    p.add_argument("--max-bytes", default=None, help='the budget (e.g. "2MB"; default half the layers of the longest)')
+    p.add_argument("--lora-steps", type=int, default=8, help="steps of each diffusers-lora run (default 8; 0 skips)")
+    p.add_argument("--lora-tokens", type=int, default=1024, help="the diffusers-lora runs' image tokens (default 1024)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default cpu (cuda trains in bf16)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="CPU intra-op threads (default 1: steadier timings on a small shared machine; 0 = torch's)")
+    p.add_argument("--threads", type=int, default=1, help="CPU intra-op threads (default 1; 0 = torch's)")
     p.add_argument("--corpus", default=str(HERE / "corpus.txt"))
     p.add_argument("--out", default="out/demo", help="directory for demo.json, demo.png and demo_budget.png")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -199,280 +274,108 @@ def main(argv=None):
     """Train every configuration and report; returns the report (also written to --out/demo.json)."""
     args = parse_args(argv)
     tokenizer = ByteTokenizer()
-    shape = models.make_shape("demo", hidden=args.hidden, layers=args.layers, heads=args.heads,
-                              kv_heads=args.kv_heads, head_dim=args.head_dim, seq=args.seq, batch=args.batch,
-                              vocab=tokenizer.vocab_size, device=args.device)
+    shape = models.make_shape("demo", hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=args.kv_heads,
+                              head_dim=args.head_dim, seq=args.seq, batch=args.batch, vocab=tokenizer.vocab_size,
+                              device=args.device)
     if shape.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("demo: --device cuda, but this torch cannot use CUDA")
-    stash_layers = shape.layers if args.stash_layers is None else args.stash_layers
-    out_dir = Path(args.out)
     tokens = tokenizer.encode(Path(args.corpus).read_text(encoding="utf-8"))
-    with measure.cpu_threads(args.threads if shape.device == "cpu" else 0) as threads:
-        report = train_both(shape, args, tokens, stash_layers, threads)
-        if args.amp != "none" and args.amp_steps > 0:
+    report = {}
+    with harness.cpu_threads(args.threads if shape.device == "cpu" else 0) as threads:
+        report["environment"] = {**harness.environment(shape.device), "cpu threads": threads}
+        report["plain"] = train_plain(shape, args, tokens, args.stash_layers)
+        if args.amp and args.amp_steps > 0:
             report["amp"] = train_amp(shape, args, tokens)
         if args.budget_steps > 0:
             report["budget"] = train_budget(shape, args, tokens)
-    report_and_plot(report, out_dir)
+        if args.lora_steps > 0:
+            report["diffusers-lora"] = train_lora(args)
+    print_report(report)
+    write(report, Path(args.out))
     return report
 
 
-def train_both(shape, args, tokens, stash_layers, threads):
-    """The plain configuration: fp32 (bf16 on CUDA), fixed-length batches."""
-    batches = corpus_batches(tokens, shape, args.steps, args.seed + 1)
-    clock = measure.Clock(shape.device)
-    plain = Run("reentrant checkpointing", shape, args.seed, args.lr, 0)
-    stash = Run(f"+ stash on {stash_layers} layers", shape, args.seed, args.lr, stash_layers)
-    same_start = all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), stash.model.parameters()))
-    threads_note = f", {threads} CPU thread(s)" if shape.device == "cpu" else ""
-    print(f"demo: {shape.describe()}; {len(tokens):,} corpus tokens (bytes), {args.steps} steps{threads_note}",
-          flush=True)
-    print(f"run A: {plain.name}; run B: {stash.name} (layers {stash.stashed}); same initial weights: {same_start}",
-          flush=True)
-    train_pair(plain, stash, batches, clock, "plain", not args.no_progress)
-    backend = models.sdpa_backend(shape)
-    per_layer, formula = models.kept_bytes_per_layer(shape)
-    kept = stash.kept[-1]
-    return {
-        "shape": {**vars(shape)}, "steps": args.steps, "stash_layers": stash_layers, "stashed": stash.stashed,
-        "environment": measure.environment(shape, threads), "sdpa_backend": backend,
-        "same_initial_weights": same_start,
-        **compare(plain, stash),
-        "times_ms": {"plain": plain.times_ms, "stash": stash.times_ms},
-        "median_ms": {"plain": plain.median_ms(), "stash": stash.median_ms()},
-        "kept_by_layer": {str(i): held.bytes for i, held in sorted(kept["by_layer"].items())},
-        "kept_bytes": kept["bytes"], "predicted_bytes_per_layer": per_layer, "prediction_formula": formula,
-    }
-
-
-def train_amp(shape, args, tokens):
-    """The amp configuration: float32 weights under torch.autocast, the stash on every layer."""
-    seq = args.amp_seq or (shape.seq if shape.device == "cuda" else max(16, shape.seq // 4))
-    amp_shape = dataclasses.replace(shape, seq=seq, dtype="float32", amp=models.AMP[args.amp])
-    batches = corpus_batches(tokens, amp_shape, args.amp_steps, args.seed + 2)
-    plain = Run("reentrant checkpointing, autocast", amp_shape, args.seed, args.lr, 0)
-    stash = Run("+ stash on all layers, autocast", amp_shape, args.seed, args.lr, amp_shape.layers)
-    print(f"\namp: {amp_shape.describe()}; {args.amp_steps} steps", flush=True)
-    train_pair(plain, stash, batches, measure.Clock(shape.device), f"amp {args.amp}", not args.no_progress)
-    per_layer, formula = models.kept_bytes_per_layer(amp_shape)
-    kept = stash.kept[-1]
-    return {
-        "shape": {**vars(amp_shape)}, "steps": args.amp_steps, "autocast": amp_shape.amp,
-        **compare(plain, stash),
-        "times_ms": {"plain": plain.times_ms, "stash": stash.times_ms},
-        "median_ms": {"plain": plain.median_ms(), "stash": stash.median_ms()},
-        "kept_by_layer": {str(i): held.bytes for i, held in sorted(kept["by_layer"].items())},
-        "kept_bytes": kept["bytes"], "predicted_bytes_per_layer": per_layer, "prediction_formula": formula,
-    }
-
-
-def train_budget(shape, args, tokens):
-    """The budget configuration: variable-length batches, the stash on every layer under max_bytes."""
-    min_seq = args.min_seq or max(8, shape.seq // 4)
-    if not 1 <= min_seq <= shape.seq:
-        raise SystemExit(f"demo: --min-seq {min_seq} must be between 1 and --seq {shape.seq}")
-    layers = shape.layers
-    longest, _ = models.kept_bytes_per_layer(shape)
-    budget = attnstash.parse_bytes(args.max_bytes) if args.max_bytes else max(1, layers // 2) * longest
-    batches = corpus_batches(tokens, shape, args.budget_steps, args.seed + 3, min_seq=min_seq)
-    per_layer = {}  # sequence length -> bytes one layer keeps (attnstash.backends.kept_bytes)
-    for ids in batches:
-        n = ids.shape[1]
-        if n not in per_layer:
-            per_layer[n] = models.kept_bytes_per_layer(dataclasses.replace(shape, seq=n))[0]
-    plain = Run("reentrant checkpointing", shape, args.seed, args.lr, 0)
-    stash = Run(f"+ stash on all {layers} layers, budget {budget:,} bytes", shape, args.seed, args.lr, layers,
-                max_bytes=budget)
-    print(f"\nbudget: {shape.describe().replace(f'seq {shape.seq}', f'seq {min_seq}-{shape.seq}')}; "
-          f"{args.budget_steps} steps; the stash on all {layers} layers under a budget of {budget:,} bytes "
-          f"({budget / longest:.2f} layers of the longest batch)", flush=True)
-
-    def check(i):
-        step = stash.kept[i]
-        assert step["peak_bytes"] <= budget, \
-            f"budget run, step {i + 1}: the stash held {step['peak_bytes']:,} bytes, over its budget of {budget:,}"
-
-    train_pair(plain, stash, batches, measure.Clock(shape.device), "budget", not args.no_progress, check)
-    steps = []
-    for ids, k in zip(batches, stash.kept):
-        n = ids.shape[1]
-        fitting = min(layers, budget // per_layer[n])
-        steps.append({"seq": n, "held_after_forward": k["bytes"], "peak_bytes": k["peak_bytes"],
-                      "declined": k["declined"], "keeps": k["keeps"], "replays": k["replays"],
-                      "all_layers_bytes": layers * per_layer[n], "predicted_held": fitting * per_layer[n]})
-    return {
-        "shape": {**vars(shape)}, "steps": args.budget_steps, "min_seq": min_seq, "max_bytes": budget,
-        "budget_in_layers_of_longest": budget / longest, **compare(plain, stash),
-        "times_ms": {"plain": plain.times_ms, "stash": stash.times_ms},
-        "total_ms": {"plain": plain.total_ms(), "stash": stash.total_ms()},
-        "per_step": steps, "peak_bytes": max(s["peak_bytes"] for s in steps),
-        "declined": sum(s["declined"] for s in steps), "keeps": sum(s["keeps"] for s in steps),
-    }
-
-
-def _equal_line(label, part):
-    losses, equal = part["losses"], part["losses_bitwise_equal"]
-    if all(equal):
-        return f"{label}: the losses of both runs are bitwise equal at all {len(equal)} steps."
-    worst = max(abs(a - b) for a, b in zip(losses["plain"], losses["stash"]))
-    return f"{label}: the losses differ at {equal.count(False)} of {len(equal)} steps (largest difference {worst:.3g})"
-
-
-def report_and_plot(report, out_dir):
-    """Print the report, write demo.json, demo.png and (with a budget run) demo_budget.png under out_dir."""
-    losses, equal = report["losses"], report["losses_bitwise_equal"]
-    print(f"\nplain configuration, {report['shape']['dtype']}:")
-    print(f"{'step':>4}  {'loss A (no stash)':>18}  {'loss B (stash)':>18}  bitwise equal")
-    for i, (a, b, e) in enumerate(zip(losses["plain"], losses["stash"], equal)):
-        print(f"{i + 1:>4}  {a:>18.8f}  {b:>18.8f}  {'yes' if e else 'NO'}")
-    on_cuda = report["shape"]["device"] == "cuda"
-    print(_equal_line("plain", report) + ("; on CUDA cuDNN's dQ is not deterministic, so the runs drift apart after "
-                                          "the first step." if on_cuda and not all(equal) else ""))
-    a, b = report["median_ms"]["plain"], report["median_ms"]["stash"]
-    print(f"median step time (forward + backward, first step dropped): run A {a:.1f} ms, run B {b:.1f} ms; "
-          f"saved {a - b:.1f} ms ({(a - b) / a * 100:.1f}% of run A's step) with {report['stash_layers']} "
-          "stashed layers")
-    kept = report["kept_by_layer"]
-    print(f"kept by the stash between forward and backward: {report['kept_bytes']:,} bytes in total; per layer: "
-          + ", ".join(f"{i}: {n:,}" for i, n in kept.items()))
-    print(f"  prediction {report['prediction_formula']}")
-
-    amp = report.get("amp")
-    if amp:
-        a, b = amp["median_ms"]["plain"], amp["median_ms"]["stash"]
-        print(f"\namp configuration, float32 weights under autocast {amp['autocast']}, seq {amp['shape']['seq']}:")
-        print(_equal_line("amp", amp))
-        print(f"median step time: run A {a:.1f} ms, run B {b:.1f} ms; saved {a - b:.1f} ms ({(a - b) / a * 100:.1f}%)")
-        print(f"kept between forward and backward: {amp['kept_bytes']:,} bytes; per layer "
-              f"{amp['predicted_bytes_per_layer']:,} predicted ({amp['prediction_formula']})")
-
-    budget = report.get("budget")
-    if budget:
-        limit = budget["max_bytes"]
-        print(f"\nbudget configuration, batches of {budget['min_seq']}-{budget['shape']['seq']} tokens, the stash on "
-              f"all {budget['shape']['layers']} layers under max_bytes = {limit:,} bytes:")
-        print(f"{'step':>4} {'seq':>5} {'held after forward':>19} {'predicted':>10} {'step peak':>10} "
-              f"{'all layers need':>16} {'declined':>8}  loss equal")
-        for i, (s, e) in enumerate(zip(budget["per_step"], budget["losses_bitwise_equal"])):
-            print(f"{i + 1:>4} {s['seq']:>5} {s['held_after_forward']:>19,} {s['predicted_held']:>10,} "
-                  f"{s['peak_bytes']:>10,} {s['all_layers_bytes']:>16,} {s['declined']:>8}  {'yes' if e else 'NO'}")
-        print(_equal_line("budget", budget))
-        a, b = budget["total_ms"]["plain"], budget["total_ms"]["stash"]
-        print(f"peak held {budget['peak_bytes']:,} bytes <= budget {limit:,} (asserted every step); "
-              f"{budget['keeps']} keeps, {budget['declined']} declined; total step time (first step dropped): "
-              f"run A {a:.0f} ms, run B {b:.0f} ms ({(a - b) / a * 100:.1f}% saved)")
-
-    print("\nsummary:")
-    for name, part in (("plain", report), ("amp", amp), ("budget", budget)):
-        if part:
-            timing = part.get("median_ms") or part["total_ms"]
-            a, b = timing["plain"], timing["stash"]
-            print(f"  {name:<7} {len(part['losses_bitwise_equal']):>3} steps  losses "
-                  f"{'bitwise equal' if all(part['losses_bitwise_equal']) else 'DIFFERENT'}  "
-                  f"{'median' if 'median_ms' in part else 'total'} step {a:.1f} -> {b:.1f} ms "
+def print_report(report):
+    print()
+    for name, part in report.items():
+        if name == "environment":
+            continue
+        equal = part["losses_bitwise_equal"]
+        a, b = part["median_ms"]["plain"], part["median_ms"]["stash"]
+        verdict = "bitwise equal at all" if all(equal) else f"DIFFERENT at {equal.count(False)} of"
+        print(f"{name}: losses {verdict} {len(equal)} steps; median step (first dropped) {a:.1f} ms without, {b:.1f} "
+              f"ms with the stash ({(b - a) / a * 100:+.1f}%); kept after the last forward {part['kept_bytes']:,} "
+              "bytes "
+              f"({', '.join(f'layer {i}: {n:,}' for i, n in part['kept_by_layer'].items())}); predicted per layer "
+              f"{part['predicted_bytes_per_layer']:,} ({part.get('prediction_formula', 'the longest batch')})")
+        if name == "budget":
+            print(f"  per step (seq: held after the forward / predicted / peak / declined): "
+                  + "; ".join(f"{s['seq']}: {s['bytes']:,}/{s['predicted_held']:,}/{s['peak_bytes']:,}/{s['declined']}"
+                              for s in part["per_step"]))
+            a, b = part["total_ms"]["plain"], part["total_ms"]["stash"]
+            print(f"  peak {part['peak_bytes']:,} <= budget {part['max_bytes']:,} bytes (asserted every step); "
+                  f"{part['keeps']} keeps, {part['declined']} declined; total step time {a:.0f} -> {b:.0f} ms "
                   f"({(b - a) / a * 100:+.1f}%)")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "demo.json").write_text(json.dumps(report, indent=1) + "\n")
-    png = plot(report, out_dir / "demo.png")
-    budget_png = plot_budget(budget, out_dir / "demo_budget.png") if budget else None
-    print(f"wrote {out_dir / 'demo.json'}" + (f"; plots: {png}" if png else "")
-          + (f", {budget_png}" if budget_png else ""))
+    plain = report["plain"]
+    print("plain losses, step by step (A, B): " + " ".join(f"{a:.4f}{'=' if a == b else '!='}{b:.4f}" for a, b in
+                                                       zip(plain["losses"]["plain"], plain["losses"]["stash"])))
 
 
-def _pyplot():
+def write(report, out):
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "demo.json").write_text(json.dumps(report, indent=1) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return None
-    return plt
-
-
-def plot(report, path):
-    """Loss curves of both runs; step times; bytes kept per layer. None without matplotlib."""
-    plt = _pyplot()
-    if plt is None:
-        return None
+        print(f"wrote {out / 'demo.json'}")
+        return
+    plain = report["plain"]
     fig, (ax_l, ax_t, ax_k) = plt.subplots(1, 3, figsize=(15, 4.2))
-    steps = range(1, report["steps"] + 1)
-    ax_l.plot(steps, report["losses"]["plain"], lw=3, alpha=0.5, label="A: reentrant checkpointing")
-    ax_l.plot(steps, report["losses"]["stash"], "--", color="black", label="B: + attention stash")
-    ax_l.set_xlabel("step")
-    ax_l.set_ylabel("loss")
-    ax_l.set_title("training loss" + (" (bitwise equal)" if all(report["losses_bitwise_equal"]) else ""))
-    ax_l.legend()
+    steps = range(1, plain["steps"] + 1)
+    ax_l.plot(steps, plain["losses"]["plain"], lw=3, alpha=0.5, label="A: reentrant checkpointing")
+    ax_l.plot(steps, plain["losses"]["stash"], "--", color="black", label="B: + attention stash")
+    equal = " (bitwise equal)" if all(plain["losses_bitwise_equal"]) else ""
+    ax_l.set(xlabel="step", ylabel="loss", title="training loss" + equal)
     for key, label in (("plain", "A: no stash"), ("stash", "B: stash")):
-        median = report["median_ms"][key]
-        ax_t.plot(steps, report["times_ms"][key], marker=".", label=f"{label}, median {median:.0f} ms")
-    ax_t.set_xlabel("step")
-    ax_t.set_ylabel("forward + backward, ms")
-    ax_t.set_title("step time")
-    ax_t.legend()
-    kept = report["kept_by_layer"]
+        ax_t.plot(steps, plain["times_ms"][key], marker=".", label=f"{label}, median {plain['median_ms'][key]:.0f} ms")
+    ax_t.set(xlabel="step", ylabel="forward + backward, ms", title="step time")
+    kept = plain["kept_by_layer"]
     ax_k.bar([f"layer {i}" for i in kept], [n / 1e6 for n in kept.values()], label="kept")
-    if report["predicted_bytes_per_layer"]:
-        ax_k.axhline(report["predicted_bytes_per_layer"] / 1e6, color="gray", ls=":", label="predicted")
-    ax_k.set_ylim(0, max([n / 1e6 for n in kept.values()] + [1e-6]) * 1.3)
-    ax_k.set_ylabel("MB")
-    ax_k.set_title(f"kept by the stash: {report['kept_bytes'] / 1e6:.2f} MB in total")
-    ax_k.legend(loc="upper right")
+    ax_k.axhline(plain["predicted_bytes_per_layer"] / 1e6, color="gray", ls=":", label="predicted")
+    ax_k.set(ylabel="MB", title=f"kept by the stash: {plain['kept_bytes'] / 1e6:.2f} MB in total")
+    for ax in (ax_l, ax_t, ax_k):
+        ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(out / "demo.png", dpi=110)
     plt.close(fig)
-    return path
-
-
-def plot_budget(budget, path):
-    """The budget run per step: bytes held after the forward and the step's peak against the
-    budget (and what all layers would need); declined keeps and the batch's length."""
-    plt = _pyplot()
-    if plt is None:
-        return None
-    per_step = budget["per_step"]
-    steps = list(range(1, len(per_step) + 1))
-    fig, (ax_b, ax_d) = plt.subplots(1, 2, figsize=(13, 4.4))
-    to_mb = lambda n: n / 1e6  # noqa: E731
-    ax_b.bar(steps, [to_mb(s["held_after_forward"]) for s in per_step], color="tab:blue", alpha=0.6,
-             label="held after the forward")
-    ax_b.plot(steps, [to_mb(s["peak_bytes"]) for s in per_step], "o", color="tab:orange", label="peak during the step")
-    ax_b.plot(steps, [to_mb(s["all_layers_bytes"]) for s in per_step], "_", ms=18, mew=2, color="gray",
-              label="all layers would need")
-    ax_b.axhline(to_mb(budget["max_bytes"]), color="tab:red", ls="--", label=f"budget {budget['max_bytes']:,} bytes")
-    ax_b.set_ylim(0, to_mb(max(s["all_layers_bytes"] for s in per_step + [{"all_layers_bytes": budget["max_bytes"]}]))
-                  * 1.4)
-    ax_b.set_xticks(steps)
-    ax_b.set_xlabel("step")
-    ax_b.set_ylabel("MB held by the stash")
-    ax_b.set_title("bytes held against the budget")
-    ax_b.legend(fontsize=8, loc="upper left")
-    ax_d.bar(steps, [s["declined"] for s in per_step], color="tab:red", alpha=0.6, label="declined keeps")
-    ax_d.set_xticks(steps)
-    ax_d.set_xlabel("step")
-    ax_d.set_ylabel("declined keeps (layers)")
-    ax_d.set_ylim(0, budget["shape"]["layers"] + 0.5)
-    ax_d.set_yticks(range(budget["shape"]["layers"] + 1))
-    ax_s = ax_d.twinx()
-    ax_s.plot(steps, [s["seq"] for s in per_step], "k.-", label="batch length")
-    ax_s.set_ylabel("tokens per sequence")
-    ax_s.set_ylim(0, budget["shape"]["seq"] * 1.1)
-    handles = ax_d.get_legend_handles_labels()[0] + ax_s.get_legend_handles_labels()[0]
-    ax_d.legend(handles, [h.get_label() for h in handles], fontsize=8, loc="upper left")
-    equal = "bitwise equal" if all(budget["losses_bitwise_equal"]) else "NOT equal"
-    ax_d.set_title(f"declined keeps per step (losses {equal} to the run without the stash)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    written = [out / "demo.json", out / "demo.png"]
+    budget = report.get("budget")
+    if budget:
+        per = budget["per_step"]
+        fig, ax = plt.subplots(figsize=(8, 4.4))
+        x = range(1, len(per) + 1)
+        ax.bar(x, [s["bytes"] / 1e6 for s in per], alpha=0.6, label="held after the forward")
+        ax.plot(x, [s["peak_bytes"] / 1e6 for s in per], "o", label="peak during the step")
+        ax.plot(x, [s["all_layers_bytes"] / 1e6 for s in per], "_", ms=18, mew=2, color="gray",
+                label="all layers would need")
+        ax.axhline(budget["max_bytes"] / 1e6, color="tab:red", ls="--", label=f"budget {budget['max_bytes']:,} bytes")
+        ax.set(xlabel="step", ylabel="MB held by the stash", title="bytes held against the budget (declined: "
+               + ", ".join(str(s["declined"]) for s in per) + ")")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "demo_budget.png", dpi=110)
+        plt.close(fig)
+        written.append(out / "demo_budget.png")
+    print("wrote " + ", ".join(map(str, written)))
 
 
 def all_equal(report):
     """Whether every configuration's losses were bitwise equal at every step."""
-    parts = [report] + [report[k] for k in ("amp", "budget") if k in report]
-    return all(all(p["losses_bitwise_equal"]) for p in parts)
+    return all(all(part["losses_bitwise_equal"]) for name, part in report.items() if name != "environment")
 
 
 if __name__ == "__main__":
     result = main()
-    on_cpu = result["shape"]["device"] == "cpu"
-    sys.exit(0 if all_equal(result) or not on_cpu else 1)
+    sys.exit(0 if all_equal(result) or result["plain"]["shape"]["device"] != "cpu" else 1)

@@ -1,27 +1,16 @@
 """attnstash.bench: what the attention stash saves, what it costs, and that it changes nothing.
 
-`python -m attnstash.bench` (attnstash/bench/__main__.py, the command line) builds a Qwen3
-decoder from a config (random weights, no download) with attn_implementation="sdpa" and
-trains it on random token ids (the ids are also the labels), in one of three modes:
+`python -m attnstash.bench --mode model|layer|profile|seq-sweep|soak|dit|host` (__main__.py).
 
-    --mode model   (default) one training step of the whole model, each configuration
-                   (no checkpointing, reentrant, reentrant + stash k, SAC, non-reentrant,
-                   non-reentrant + stash, stash under a budget) interleaved: model_mode.py
-    --mode layer   one decoder layer under reentrant checkpointing, without and with the
-                   stash: layer_mode.py
-    --mode soak    hundreds of irregular steps under both checkpointing modes; the stash
-                   must be empty after every step: soak.py
-
-Any mode runs fp32 weights under torch.autocast with --amp bf16|fp16.
-
-The package has two halves. The library half, which examples/demo.py uses too:
-    models.py      the model and its inputs: presets, Shape, build_model, checkpointing
-                   (SAC included), batches and masks, autocast, the kept-bytes prediction
-    measure.py     the measurement harness: clocks, the paused garbage collector, exact
-                   peak memory, interleaved rotated rounds, CPU threads, bitwise comparisons
-The experiments and their output, which only the command line uses:
-    model_mode.py, layer_mode.py, soak.py   the three experiments (each returns a report dict)
-    report.py      tables on stdout, JSON, the PNG of model mode
+    models.py    the decoder (Qwen3), checkpointing (SAC included), inputs, the planner's
+                 prediction and the attention forward the stash skips; examples/demo.py uses it
+    harness.py   what every mode shares: Config, Run, the check, interleaved timing
+                 (torch.utils.benchmark), peak memory; examples/demo.py uses it
+    decoder.py   model, layer and seq-sweep modes
+    profile.py   profile mode (torch.profiler's event tree and key_averages)
+    soak.py      soak mode
+    dit.py       dit mode (diffusers' Flux transformer) and host mode
+    report.py    tables (torch.utils.benchmark.Compare and one plain table), JSON, PNGs
 
 Importing this package imports nothing else: import the module you need.
 """

@@ -1,560 +1,236 @@
-"""--mode profile: where the time of one checkpointed decoder layer goes, without and with the stash.
+"""--mode profile: where one checkpointed decoder layer's step goes, per configuration, under torch.profiler.
 
-One decoder layer (layer_mode.LayerBench, the preset's shape), forward + backward, in each
-configuration of --checkpointing (reentrant and non-reentrant, each without and with the
-stash, and SAC), each run --warmup times unprofiled (default 2) and then --repeats times
-(default 3) under torch.profiler, with CPU and CUDA activity (CPU only without CUDA: then
-there are no kernels, and only the host figures are filled). The attention forward alone is
-profiled the same way, as the reference for the kernels the stash should remove.
+Layer mode's configurations (decoder.py), each run --warmup times (default 2), then --repeats
+times (default 3) under torch.profiler (CPU and CUDA activity; without CUDA no kernels, only host
+figures). A profiled step is a range "bench:step" holding "bench:forward" and "bench:backward",
+ending with a device sync; the layer's checkpointed forward runs in "bench:recompute" inside the
+backward ("bench:layer" in the forward: SAC wants the recompute to repeat the forward's op calls).
 
-Marks. Every profiled step is a record_function range "bench:step" holding "bench:forward"
-and "bench:backward" and ending with a device synchronisation (so the step's kernels run
-inside it); a forward pre-hook on the layer opens "bench:recompute" when the layer runs
-inside a backward (torch._C._current_graph_task_id() != -1: the checkpoint's recompute) and
-its forward hook closes it.
-
-The trace (the profiler's Chrome trace, parsed here) gives, per configuration and per
-profiled step (sums divided by the steps):
-  kernels      GPU time and calls of every device event (kernels, memcpy, memset), keyed by
-               phase (forward / recompute / backward: the range its launch was made in),
-               class (attention forward / attention backward: launched inside an aten
-               attention op, the innermost one deciding; attnstash: inside an attnstash op
-               but no attention op; other; unattributed: no launch event found), the
-               innermost op that launched it, and its name. A kernel belongs to the range
-               its launch (the CUDA runtime or driver call with its correlation id) was
-               made in, whichever thread made it.
-  windows      for the step, the forward, the backward (recompute + backward) and the
-               recompute alone: span (first kernel start to last kernel end), busy (the union
-               of kernel intervals), the kernels' summed time, their overlap (sum - busy) and
-               idle (span - busy); summed over the step's instances of the range. Exactly:
-               span = sum - overlap + idle.
-  host         CPU time of the ranges; of every attnstash::* op (self: excluding the ops,
-               ranges and runtime calls nested in it; total: outermost calls only); self time
-               of every host op, by phase.
-  syncs        synchronisations made inside the forward and backward ranges: runtime/driver
-               calls named *Synchronize*, cudaMemcpy (synchronous) and memcpys whose device
-               copy is device-to-host.
-  allocator    cudaMalloc/cudaFree (and the driver's cuMem*) calls inside the step, and the
-               caching allocator's counters over the profiled steps.
-
-Comparisons (plain -> other, per step): every kernel row side by side, sorted by |difference|,
-and the accounting: other's step span - plain's = (attention forward kernels' difference) +
-(the other kernels grown) - (shrunk) - (overlap difference) + (idle difference), to the last
-microsecond. Output under --out: profile.json, profile.md (report.py writes it), and with
---traces the Chrome traces as profile_traces.tar.gz.
+Per configuration and step (ms), from torch.profiler's key_averages() (every op and kernel: calls,
+self CPU and device time; its table goes into profile.md) and event tree (prof.events(): parents,
+and each kernel's launch by correlation id): host_ms and device_ms, the self CPU time of every op
+in the step and the device time of the kernels each launched, by class (attention forward or
+backward: the innermost aten attention op around it; attnstash: inside an attnstash op; other);
+attnstash_ops; gpu: span, busy (the union of kernel intervals) and idle (span - busy) of the
+kernels launched in the step and in the recompute; step_ms, the bench:step range's wall time.
+Comparisons: every key_averages row side by side, and the accounting: the measured step
+difference next to measured terms (CUDA: kernel time by class and GPU idle; CPU: host self time
+by class), their sum, and what the terms leave out (CUDA: host time before the first and after
+the last kernel, concurrent kernels; CPU: host time outside ops, Python and the autograd engine).
+Output: profile.json, profile.md; --traces: each Chrome trace, profile_trace_<configuration>.json.gz.
 """
 import collections
+import copy
 import dataclasses
-import io
-import json
-import os
-import tarfile
-import tempfile
-import time
-import traceback
+import re
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, record_function
 
 import attnstash
 
-from . import report as reporting
-from .layer_mode import LayerBench, config_names
-from .measure import _stderr_silenced, collector_paused, environment
+from . import report
+from .decoder import LAYER_CONFIGS, LayerStep
+from .harness import Config, Run, collector_paused, environment, quiet_stderr
+from .models import plan
 
-DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
-HOST_CATS = ("cpu_op", "user_annotation") + LAUNCH_CATS
 RANGES = ("bench:step", "bench:forward", "bench:backward", "bench:recompute")
-WINDOWS = {"step": "bench:step", "forward": "bench:forward", "backward": "bench:backward",
-           "recompute": "bench:recompute"}
-ALLOC_PREFIXES = ("cudaMalloc", "cudaFree", "cudaHostAlloc", "cuMemAlloc", "cuMemFree", "cuMemCreate", "cuMemRelease",
-                  "cuMemMap", "cuMemUnmap", "cuMemHostAlloc", "cuMemAddressReserve", "cuMemAddressFree")
-# Comparisons: (label, base configuration, other configuration).
-COMPARISONS = (
-    ("reentrant: stash vs plain", "reentrant, no stash", "reentrant + stash"),
-    ("non-reentrant: stash vs plain", "non-reentrant, no stash", "non-reentrant + stash"),
-    ("SAC vs non-reentrant plain", "non-reentrant, no stash", "SAC (non-reentrant)"),
-    ("reentrant + stash vs SAC", "SAC (non-reentrant)", "reentrant + stash"),
-    ("non-reentrant + stash vs SAC", "SAC (non-reentrant)", "non-reentrant + stash"),
-)
-ATTENTION_REFERENCE = "attention forward alone"
+CLASSES = ("attention forward", "attention backward", "attnstash", "other")
+COMPARISONS = ((Config("reentrant"), Config("reentrant", 1)), (Config("non-reentrant"), Config("non-reentrant", 1)),
+               (Config("non-reentrant"), Config("sac")), (Config("sac"), Config("reentrant", 1)),
+               (Config("sac"), Config("non-reentrant", 1)))
 
 
-# ---- the trace --------------------------------------------------------------------------------
+def mark_recompute(layer):
+    """Run the layer's checkpointed forward in a range (its checkpoint function, which every
+    transformers release calls with the layer's forward, gets a marked forward)."""
+    original = layer.__dict__["_gradient_checkpointing_func"]
 
-class Event:
-    __slots__ = ("name", "cat", "ts", "dur", "end", "thread", "corr", "ext", "parent", "child_dur", "launch")
-
-    def __init__(self, raw):
-        self.name = raw.get("name", "")
-        self.cat = raw.get("cat", "")
-        self.ts = float(raw.get("ts", 0.0))
-        self.dur = float(raw.get("dur", 0.0))
-        self.end = self.ts + self.dur
-        self.thread = (raw.get("pid"), raw.get("tid"))
-        args = raw.get("args") or {}
-        self.corr = args.get("correlation")
-        self.ext = args.get("External id")
-        self.parent = None
-        self.child_dur = 0.0
-        self.launch = None
-
-    def ancestors(self):
-        node = self.parent
-        while node is not None:
-            yield node
-            node = node.parent
-
-
-def _nest(host, slack=0.05):
-    """Give every host event its parent: the innermost event of its thread that holds it
-    whole (to `slack` microseconds), and every parent the time of its children. The profiler
-    does not always nest properly (a range opened inside a dispatch mode's event outlives
-    that event): such an event is not the parent of what outlives it."""
-    by_thread = collections.defaultdict(list)
-    for e in host:
-        by_thread[e.thread].append(e)
-    for events in by_thread.values():
-        events.sort(key=lambda e: (e.ts, -e.dur))
-        stack = []
-        for e in events:
-            while stack and e.ts >= stack[-1].end:
-                stack.pop()
-            for holder in reversed(stack):
-                if holder.end + slack >= e.end:
-                    e.parent = holder
-                    holder.child_dur += e.dur
-                    break
-            stack.append(e)
-
-
-def _is_attention_op(name):
-    return name.startswith("aten::") and "attention" in name
-
-
-def kernel_class(origin):
-    """attention forward / attention backward (the innermost aten attention op around the
-    launch decides), attnstash (inside an attnstash op, no attention op), other;
-    unattributed without a host event to start from. `origin`: the launch (runtime or
-    driver call), or the op the kernel's External id names."""
-    if origin is None:
-        return "unattributed"
-    inside_stash = False
-    for node in [origin] + list(origin.ancestors()):
-        if node.cat != "cpu_op":
-            continue
-        if _is_attention_op(node.name):
-            return "attention backward" if "backward" in node.name else "attention forward"
-        inside_stash = inside_stash or node.name.startswith("attnstash::")
-    return "attnstash" if inside_stash else "other"
-
-
-def innermost_op(event):
-    for node in ([event] if event.cat == "cpu_op" else []) + list(event.ancestors()):
-        if node.cat == "cpu_op":
-            return node.name
-    return "-"
-
-
-class Ranges:
-    """The instances of each bench:* range, as sorted (start, end) pairs."""
-
-    def __init__(self, host):
-        self.by_name = {name: sorted((e.ts, e.end) for e in host if e.cat == "user_annotation" and e.name == name)
-                        for name in RANGES}
-
-    def index(self, name, t):
-        """The index of the instance of range `name` holding time t, or None."""
-        for i, (start, end) in enumerate(self.by_name[name]):
-            if start <= t <= end:
-                return i
-        return None
-
-    def phase(self, t):
-        if self.index("bench:recompute", t) is not None:
-            return "recompute"
-        if self.index("bench:forward", t) is not None:
-            return "forward"
-        if self.index("bench:backward", t) is not None:
-            return "backward"
-        return "step" if self.index("bench:step", t) is not None else None
-
-
-def _union(intervals):
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
-
-
-def window(kernels):
-    """span, busy, sum, overlap, idle (microseconds) of device events [(start, end)]."""
-    if not kernels:
-        return {"span": 0.0, "busy": 0.0, "sum": 0.0, "overlap": 0.0, "idle": 0.0}
-    span = max(e for _, e in kernels) - min(s for s, _ in kernels)
-    busy = _union(kernels)
-    total = sum(e - s for s, e in kernels)
-    return {"span": span, "busy": busy, "sum": total, "overlap": total - busy, "idle": span - busy}
-
-
-def _is_sync(e, device_by_corr):
-    if "Synchronize" in e.name or e.name in ("cudaMemcpy", "cudaMemcpy2D"):
-        return True
-    if "Memcpy" in e.name or "cuMemcpy" in e.name:
-        if "DtoH" in e.name:
-            return True
-        copy = device_by_corr.get(e.corr)
-        return copy is not None and "DtoH" in copy.name
-    return False
-
-
-def analyse_trace(raw_events, steps):
-    """The figures of one profiled configuration from its Chrome trace events (see the module
-    docstring); every time in milliseconds per step."""
-    events = [Event(r) for r in raw_events if r.get("ph") == "X"]
-    host = [e for e in events if e.cat in HOST_CATS]
-    device = [e for e in events if e.cat in DEVICE_CATS]
-    _nest(host)
-    ranges = Ranges(host)
-    launches = {e.corr: e for e in host if e.cat in LAUNCH_CATS and e.corr is not None}
-    ops_by_ext = {e.ext: e for e in host if e.cat == "cpu_op" and e.ext is not None}
-    per = 1.0 / max(1, steps)
-    ms = 1e-3 * per  # microseconds summed over the steps -> milliseconds per step
-
-    # Device events: the launch, the phase and class, the windows.
-    rows = {}
-    in_range = {name: collections.defaultdict(list) for name in WINDOWS}
-    without_launch = without_origin = 0
-    by_class = collections.Counter()
-    for k in device:
-        k.launch = launches.get(k.corr)
-        # Where the kernel comes from: its launch, nested in the ops of its thread; else the
-        # op its External id names; else nothing (then its own start stands for its launch).
-        origin = k.launch if k.launch is not None and k.launch.parent is not None else ops_by_ext.get(k.ext, k.launch)
-        without_launch += k.launch is None
-        without_origin += origin is None
-        t = k.launch.ts if k.launch is not None else origin.ts if origin is not None else k.ts
-        if ranges.index("bench:step", t) is None:
-            continue
-        phase = ranges.phase(t)
-        cls = kernel_class(origin)
-        op = innermost_op(origin) if origin is not None else "-"
-        key = f"{phase} | {cls} | {op} | {k.name}"
-        row = rows.setdefault(key, {"phase": phase, "class": cls, "op": op, "name": k.name, "ms": 0.0, "calls": 0.0})
-        row["ms"] += k.dur * ms
-        row["calls"] += per
-        by_class[cls] += k.dur * ms
-        for w, name in WINDOWS.items():
-            i = ranges.index(name, t)
-            if i is not None:
-                in_range[w][i].append((k.ts, k.end))
-    windows = {}
-    for w in WINDOWS:
-        total = collections.Counter()
-        for kernels in in_range[w].values():
-            total.update(window(kernels))
-        windows[w] = {f"{k}_ms": total[k] * ms for k in ("span", "busy", "sum", "overlap", "idle")}
-    starts = [start for start, _ in ranges.by_name["bench:step"]]
-    lead = [min(s for s, _ in ks) - starts[i] for i, ks in in_range["step"].items()]
-
-    # Host: ranges, attnstash ops, every op's self time by phase.
-    step_host = [e for e in host if ranges.index("bench:step", e.ts) is not None]
-    range_ms = {name.split(":")[1]: sum(e - s for s, e in ranges.by_name[name]) * ms for name in RANGES}
-    stash_ops, host_ops = {}, {}
-    for e in step_host:
-        if e.cat != "cpu_op":
-            continue
-        self_us = e.dur - e.child_dur
-        outermost = not any(a.name == e.name for a in e.ancestors())
-        if e.name.startswith("attnstash::"):
-            op = stash_ops.setdefault(e.name, {"calls": 0.0, "self_ms": 0.0, "total_ms": 0.0})
-            op["self_ms"] += self_us * ms
-            if outermost:
-                op["calls"] += per
-                op["total_ms"] += e.dur * ms
-        phase = ranges.phase(e.ts)
-        row = host_ops.setdefault(f"{phase} | {e.name}", {"phase": phase, "name": e.name, "self_ms": 0.0,
-                                                          "calls": 0.0})
-        row["self_ms"] += self_us * ms
-        row["calls"] += per
-    stash_total = sum(e.dur for e in step_host if e.cat == "cpu_op" and e.name.startswith("attnstash::")
-                      and not any(a.name.startswith("attnstash::") for a in e.ancestors())) * ms
-
-    # Synchronisations inside the forward and backward; allocator calls inside the step.
-    device_by_corr = {k.corr: k for k in device if k.corr is not None}
-    syncs, allocs = collections.defaultdict(lambda: [0.0, 0.0]), collections.defaultdict(lambda: [0.0, 0.0])
-    for e in step_host:
-        if e.cat not in LAUNCH_CATS:
-            continue
-        inside = ranges.index("bench:forward", e.ts) is not None or ranges.index("bench:backward", e.ts) is not None
-        if inside and _is_sync(e, device_by_corr):
-            syncs[e.name][0] += per
-            syncs[e.name][1] += e.dur * ms
-        if e.name.startswith(ALLOC_PREFIXES):
-            allocs[e.name][0] += per
-            allocs[e.name][1] += e.dur * ms
-
-    return {
-        "steps": steps,
-        "ranges_found": {name: len(v) for name, v in ranges.by_name.items()},
-        "device": {
-            "events": len(device), "events_in_steps_per_step": sum(r["calls"] for r in rows.values()),
-            "without_launch_event": without_launch, "without_host_origin": without_origin,
-            "ms_by_class": dict(by_class), "windows": windows,
-            "lead_ms": sum(lead) * ms if lead else None,
-            "kernels": sorted(rows.values(), key=lambda r: -r["ms"]),
-        },
-        "host": {
-            "range_ms": range_ms,
-            "attnstash_ops": stash_ops, "attnstash_total_ms": stash_total,
-            "attnstash_self_ms": sum(op["self_ms"] for op in stash_ops.values()),
-            "ops": sorted(host_ops.values(), key=lambda r: -r["self_ms"]),
-        },
-        "syncs": {"count": sum(v[0] for v in syncs.values()), "ms": sum(v[1] for v in syncs.values()),
-                  "by_name": {k: {"count": v[0], "ms": v[1]} for k, v in syncs.items()}},
-        "allocator": {"calls": sum(v[0] for v in allocs.values()), "ms": sum(v[1] for v in allocs.values()),
-                      "by_name": {k: {"count": v[0], "ms": v[1]} for k, v in allocs.items()}},
-    }
-
-
-# ---- comparisons ------------------------------------------------------------------------------
-
-def _side_by_side(base_rows, other_rows, value, keys):
-    def key(r):
-        return " | ".join(str(r[k]) for k in keys)
-    base = {key(r): r for r in base_rows}
-    other = {key(r): r for r in other_rows}
-    rows = []
-    for k in set(base) | set(other):
-        b, o = base.get(k), other.get(k)
-        ref = b or o
-        bv, ov = (b[value] if b else 0.0), (o[value] if o else 0.0)
-        bc, oc = (b["calls"] if b else 0.0), (o["calls"] if o else 0.0)
-        diff = ov - bv
-        change = ("appears" if not b else "disappears" if not o else "grows" if diff > 0
-                  else "shrinks" if diff < 0 else "same")
-        rows.append({**{kk: ref[kk] for kk in keys}, "base_ms": bv, "other_ms": ov, "diff_ms": diff,
-                     "base_calls": bc, "other_calls": oc, "change": change})
-    rows.sort(key=lambda r: -abs(r["diff_ms"]))
-    return rows
-
-
-def compare(base, other):
-    """other - base, per step: the kernel rows side by side and the accounting of the step's
-    GPU span (and the host's figures next to it)."""
-    kernels = _side_by_side(base["device"]["kernels"], other["device"]["kernels"], "ms",
-                            ("phase", "class", "op", "name"))
-    attention = sum(r["diff_ms"] for r in kernels if r["class"] == "attention forward")
-    grown = sum(r["diff_ms"] for r in kernels if r["class"] != "attention forward" and r["diff_ms"] > 0)
-    shrunk = -sum(r["diff_ms"] for r in kernels if r["class"] != "attention forward" and r["diff_ms"] < 0)
-    bw, ow = base["device"]["windows"], other["device"]["windows"]
-    d = {w: {k: ow[w][k] - bw[w][k] for k in bw[w]} for w in bw}
-    step = d["step"]
-    accounting = {
-        "base_span_ms": bw["step"]["span_ms"], "other_span_ms": ow["step"]["span_ms"],
-        "span_diff_ms": step["span_ms"],
-        "attention_forward_diff_ms": attention, "grown_ms": grown, "shrunk_ms": shrunk,
-        "attention_forward_diff_by_phase_ms": {
-            phase: sum(r["diff_ms"] for r in kernels if r["class"] == "attention forward" and r["phase"] == phase)
-            for phase in ("forward", "recompute", "backward", "step")},
-        "kernel_sum_diff_ms": step["sum_ms"], "overlap_diff_ms": step["overlap_ms"], "idle_diff_ms": step["idle_ms"],
-        "idle_diff_by_window_ms": {w: d[w]["idle_ms"] for w in ("forward", "backward", "recompute")},
-        "residual_ms": step["span_ms"] - (attention + grown - shrunk - step["overlap_ms"] + step["idle_ms"]),
-        "removed_attention_forward_kernels": [r for r in kernels if r["class"] == "attention forward"
-                                              and r["diff_ms"] < 0],
-    }
-    host_rows = _side_by_side([{**r, "ms": r["self_ms"]} for r in base["host"]["ops"]],
-                              [{**r, "ms": r["self_ms"]} for r in other["host"]["ops"]], "ms", ("phase", "name"))
-    host = {k: other["host"]["range_ms"][k] - base["host"]["range_ms"][k] for k in base["host"]["range_ms"]}
-    return {"kernels": kernels, "accounting": accounting, "windows_diff": d, "host_range_diff_ms": host,
-            "host_ops": host_rows,
-            "syncs_diff": other["syncs"]["count"] - base["syncs"]["count"],
-            "allocator_calls_diff": other["allocator"]["calls"] - base["allocator"]["calls"]}
-
-
-# ---- profiling --------------------------------------------------------------------------------
-
-class RecomputeMarks:
-    """Marks the layer's checkpointed forward with a record_function range: "bench:recompute"
-    around the run inside a backward (the checkpoint's recompute), "bench:layer" around the
-    other. It stands in for the layer's checkpoint function (its _gradient_checkpointing_func,
-    which every transformers release calls with the layer's forward, inside or outside module
-    hooks), so that the ranges are inside the checkpoint. Both runs open a range, so that they
-    make the same calls: selective activation checkpointing checks that the recompute makes
-    exactly the forward's op calls. A range closes when the run returns or raises (a
-    non-reentrant recompute stops early by raising once it has what the backward needs)."""
-    NAME = "_gradient_checkpointing_func"
-
-    def __init__(self, layer):
-        self.layer, self.original = layer, layer.__dict__.get(self.NAME)
-        if self.original is not None:  # (a layer that is not checkpointed has no recompute)
-            layer.__dict__[self.NAME] = self._checkpoint
-
-    def _checkpoint(self, fn, *args, **kwargs):
-        from torch.profiler import record_function
-
+    def marked_checkpoint(fn, *args, **kwargs):
         def marked(*a, **k):
-            recompute = torch._C._current_graph_task_id() != -1
-            with record_function("bench:recompute" if recompute else "bench:layer"):
+            with record_function("bench:recompute" if torch._C._current_graph_task_id() != -1 else "bench:layer"):
                 return fn(*a, **k)
+        return original(marked, *args, **kwargs)
 
-        return self.original(marked, *args, **kwargs)
-
-    def remove(self):
-        if self.original is not None:
-            self.layer.__dict__[self.NAME] = self.original
+    layer.__dict__["_gradient_checkpointing_func"] = marked_checkpoint
 
 
-def _allocator_counters(cuda):
-    if not cuda:
-        return {}
-    stats = torch.cuda.memory_stats()
-    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
+def kind(event):
+    """The class of an op's time (see the module docstring), from its ancestors."""
+    stash = False
+    while event is not None:
+        if event.name.startswith("aten::") and "attention" in event.name:
+            return "attention backward" if "backward" in event.name else "attention forward"
+        stash = stash or event.name.startswith("attnstash::")
+        event = event.cpu_parent
+    return "attnstash" if stash else "other"
 
 
-def profile_steps(step, reset, steps, warmup, cuda):
-    """warmup unprofiled calls of step(), then `steps` under torch.profiler; reset() runs
-    before each, outside the ranges. Returns (Chrome trace events, seconds, allocator
-    counter differences)."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(warmup):
-        reset()
-        step()
+def span_and_busy(intervals):
+    busy, end = 0.0, None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            busy, end = busy + b - a, b
+        elif b > end:
+            busy, end = busy + b - end, b
+    return max(b for _, b in intervals) - min(a for a, _ in intervals), busy
+
+
+def analyse(prof, steps):
+    """The figures of one profiled configuration (see the module docstring), ms per step."""
+    events, per = prof.events(), 1e-3 / steps
+    spans = {name: [(e.time_range.start, e.time_range.end) for e in events
+                    if e.name == name and e.device_type == DeviceType.CPU] for name in RANGES}
+
+    def within(name, t):
+        return next((i for i, (a, b) in enumerate(spans[name]) if a <= t <= b), None)
+
+    host, device, launches = collections.Counter(), collections.Counter(), {}
+    for e in events:
+        if e.device_type != DeviceType.CPU or e.is_user_annotation or within("bench:step", e.time_range.start) is None:
+            continue
+        cls = kind(e)
+        host[cls] += e.self_cpu_time_total * per
+        device[cls] += e.self_device_time_total * per
+        if e.kernels:
+            launches[e.id] = e
+    windows = {}
+    for window in ("step", "recompute"):
+        by_instance = collections.defaultdict(list)
+        for k in events:
+            kernel = k.device_type == DeviceType.CUDA and not k.is_user_annotation
+            launch = launches.get(k.linked_correlation_id) if kernel else None
+            i = None if launch is None else within(f"bench:{window}", launch.time_range.start)
+            if i is not None:
+                by_instance[i].append((k.time_range.start, k.time_range.end))
+        span, busy = map(sum, zip(*(span_and_busy(ks) for ks in by_instance.values()))) if by_instance else (0, 0)
+        windows[window] = {"span_ms": span * per, "busy_ms": busy * per, "idle_ms": (span - busy) * per}
+    averages = prof.key_averages()
+    ops = {a.key: {"calls": a.count / steps, "self_cpu_ms": a.self_cpu_time_total * per,
+                   "cpu_ms": a.cpu_time_total * per, "self_device_ms": a.self_device_time_total * per}
+           for a in averages}
+    return {"ranges_found": {name: len(s) for name, s in spans.items()},
+            "step_ms": sum(b - a for a, b in spans["bench:step"]) * per,
+            "recompute_host_ms": sum(b - a for a, b in spans["bench:recompute"]) * per,
+            "host_ms": {c: host[c] for c in CLASSES}, "device_ms": {c: device[c] for c in CLASSES}, "gpu": windows,
+            "attnstash_ops": {k: v for k, v in ops.items() if k.startswith("attnstash::")}, "ops": ops,
+            "table": averages.table(sort_by="self_device_time_total" if windows["step"]["span_ms"] else
+                                    "self_cpu_time_total", row_limit=30)}
+
+
+def compare(base, other, cuda):
+    """other - base, per step: the ops side by side and the accounting (see the module docstring)."""
+    def diff(f):
+        return f(other) - f(base)
+    side = "device_ms" if cuda else "host_ms"
+    terms = {f"{c} ({'GPU' if cuda else 'host'})": diff(lambda r: r[side][c]) for c in CLASSES}
     if cuda:
-        torch.cuda.synchronize()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    before = _allocator_counters(cuda)
-    t0 = time.perf_counter()
-    prof = profile(activities=activities, record_shapes=False, profile_memory=False, with_stack=False)
-    with _stderr_silenced():
-        prof.__enter__()
-    try:
-        for _ in range(steps):
-            reset()
-            with collector_paused():
-                step()
-    finally:
-        with _stderr_silenced():
-            prof.__exit__(None, None, None)
-    seconds = time.perf_counter() - t0
-    after = _allocator_counters(cuda)
-    fd, path = tempfile.mkstemp(suffix=".json", prefix="attnstash_profile_")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    finally:
-        os.unlink(path)
-    return trace, seconds, {k: after[k] - before[k] for k in after}
+        terms["GPU idle in the step"] = diff(lambda r: r["gpu"]["step"]["idle_ms"])
+    measured = diff(lambda r: r["step_ms"])
+    names = set(base["ops"]) | set(other["ops"])
+    zero = {"calls": 0.0, "self_cpu_ms": 0.0, "self_device_ms": 0.0}
+    rows = [{"name": n, **{f"{who}_{k}": side_of["ops"].get(n, zero)[k] for who, side_of in (("base", base),
+                                                                                               ("other", other))
+                           for k in ("calls", "self_cpu_ms", "self_device_ms")}} for n in names]
+    for r in rows:
+        r["cpu_diff_ms"], r["device_diff_ms"] = (r["other_self_cpu_ms"] - r["base_self_cpu_ms"],
+                                                 r["other_self_device_ms"] - r["base_self_device_ms"])
+    rows.sort(key=lambda r: -abs(r["device_diff_ms" if cuda else "cpu_diff_ms"]))
+    return {"accounting": {"step_diff_ms": measured, "terms_ms": terms, "sum_of_terms_ms": sum(terms.values()),
+                           "not_in_the_terms_ms": measured - sum(terms.values()),
+                           "gpu_idle_in_the_recompute_diff_ms": diff(lambda r: r["gpu"]["recompute"]["idle_ms"])},
+            "ops": rows}
 
 
-def run_profile_mode(shape, args, out_dir):
-    """Profile each configuration of --checkpointing and the attention forward alone; compare."""
-    names = config_names(getattr(args, "checkpointing", "both"))
+def profile_mode(shape, args, out):
     cuda = torch.device(shape.device).type == "cuda"
     steps = args.repeats if args.repeats_given else 3
-    warmup = args.warmup if getattr(args, "warmup_given", False) else 2
-    bench = LayerBench(shape, names, seed=args.seed)
-    one = bench.shape
-    traces, configs = {}, {}
-    print(f"profile: one decoder layer, {one.describe()}; {warmup} warm-up + {steps} profiled steps per "
+    warmup = args.warmup if args.warmup_given else 2
+    step = LayerStep(shape, seed=args.seed)
+    planned = plan(step.model, step.shape)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    print(f"profile: one decoder layer, {step.shape.describe()}; {warmup} warm-up + {steps} profiled steps per "
           f"configuration ({'CPU + CUDA' if cuda else 'CPU only: no kernels'})", flush=True)
-
-    def no_reset():
-        pass
-
-    def analyse(name, trace, seconds, counters):
-        try:
-            configs[name] = analyse_trace(trace.get("traceEvents", []), steps)
-        except Exception:  # a trace this parser does not understand: say so, keep going
-            configs[name] = {"error": traceback.format_exc()}
-        configs[name]["profiled_seconds"] = seconds
-        configs[name]["allocator_counters"] = counters
-
-    trace, seconds, counters = profile_steps(lambda: _marked(bench.attention, cuda), no_reset, steps, warmup, cuda)
-    analyse(ATTENTION_REFERENCE, trace, seconds, counters)
-    if args.traces:
-        traces[ATTENTION_REFERENCE] = trace
-    for config in bench.configs:
-        config.setup()
-        marks = RecomputeMarks(config.layer)
+    configs = {}
+    for config in LAYER_CONFIGS[args.checkpointing]:
+        run = Run(config, copy.deepcopy(step.model), step)
+        mark_recompute(run.model.model.layers[0])
+        run.enter()
         try:
             before = attnstash.stash_stats()
-            trace, seconds, counters = profile_steps(lambda: bench.step(config, marks=True),
-                                                     lambda: bench.reset(config), steps, warmup, cuda)
+            for _ in range(warmup):
+                run.step()
+            prof = torch.profiler.profile(activities=activities)
+            with quiet_stderr():
+                prof.start()
+            for _ in range(steps):
+                with collector_paused(), record_function("bench:step"):
+                    run.step(mark=record_function)
+                    if cuda:
+                        torch.cuda.synchronize()
+            with quiet_stderr():
+                prof.stop()
             after = attnstash.stash_stats()
-        except Exception:  # record it and profile the others (the run is blind: keep what can be kept)
-            configs[config.name] = {"error": traceback.format_exc()}
-            print(f"  {config.name}: profiling FAILED\n{configs[config.name]['error']}", flush=True)
-            continue
         finally:
-            marks.remove()
-            config.teardown()
-            bench.reset(config)
-        analyse(config.name, trace, seconds, counters)
-        # The stash's counters over the warm-up and the profiled steps together.
-        counts = {k: after[k] - before[k] for k in ("keeps", "replays", "declined", "misses")}
-        configs[config.name]["stash"] = {"steps": warmup + steps, **counts}
-        if args.traces:
-            traces[config.name] = trace
-        del trace
-        print(f"  profiled {config.name} in {seconds:.1f} s", flush=True)
-
-    comparisons = {}
-    for label, base, other in COMPARISONS:
-        if base in configs and other in configs and "error" not in configs[base] and "error" not in configs[other]:
-            comparisons[label] = {"base": base, "other": other, **compare(configs[base], configs[other])}
-    reference = configs[ATTENTION_REFERENCE]
-    report = {
-        "mode": "profile", "preset": args.preset, "shape": dataclasses.asdict(one),
-        "environment": environment(one, torch.get_num_threads()), "sdpa_backend": bench.sdpa_backend(),
-        "checkpointing": getattr(args, "checkpointing", "both"), "activities": ["CPU"] + (["CUDA"] if cuda else []),
-        "steps": steps, "warmup": warmup, "order": [ATTENTION_REFERENCE] + [c.name for c in bench.configs],
-        "attention_forward_alone": {
-            "gpu_ms_per_call": reference.get("device", {}).get("windows", {}).get("step", {}).get("sum_ms"),
-            "host_ms_per_call": reference.get("host", {}).get("range_ms", {}).get("step")},
-        "configs": configs, "comparisons": comparisons,
-    }
-    if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        reporting.write_json(out_dir / "profile.json", report)
-        (out_dir / "profile.md").write_text(reporting.profile_markdown(report))
-        written = [out_dir / "profile.json", out_dir / "profile.md"]
-        if traces:
-            written.append(write_traces(out_dir / "profile_traces.tar.gz", traces))
-        print("wrote " + ", ".join(str(p) for p in written))
-    reporting.print_profile_report(report)
-    return report
+            run.exit()
+        configs[run.name] = {**analyse(prof, steps), "stash": {"steps": warmup + steps, **{
+            k: after[k] - before[k] for k in ("keeps", "replays", "declined", "misses")}}}
+        if args.traces and out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(out / f"profile_trace_{re.sub(r'[^a-z0-9]+', '_', run.name.lower())}.json.gz"))
+        print(f"  profiled {run.name}", flush=True)
+    comparisons = {f"{o.name} vs {b.name}": {"base": b.name, "other": o.name, **compare(configs[b.name],
+                                                                                      configs[o.name], cuda)}
+                   for b, o in COMPARISONS if b.name in configs and o.name in configs}
+    result = {"mode": "profile", "preset": args.preset, "shape": dataclasses.asdict(step.shape),
+              "environment": environment(shape.device), "sdpa_backend": planned.layers[0].calls[0].backend.name,
+              "checkpointing": args.checkpointing, "activities": [a.name for a in activities], "steps": steps,
+              "warmup": warmup, "configs": configs, "comparisons": comparisons}
+    markdown = profile_markdown(result)
+    print(markdown.split("\n## torch.profiler")[0])
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "profile.md").write_text(markdown)
+    report.write(out, "profile", {**result, "configs": {k: {kk: vv for kk, vv in v.items() if kk != "table"}
+                                                         for k, v in configs.items()}})
+    return result
 
 
-def _marked(fn, cuda):
-    from torch.profiler import record_function
-    with record_function("bench:step"):
-        with record_function("bench:forward"):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-
-
-def write_traces(path, traces):
-    """The Chrome traces, one JSON file per configuration, in one gzipped tar (open them in
-    Perfetto or chrome://tracing)."""
-    with tarfile.open(path, "w:gz") as tar:
-        for name, trace in traces.items():
-            data = json.dumps(trace).encode()
-            info = tarfile.TarInfo(name.replace(" ", "_").replace(",", "").replace("+", "plus")
-                                   .replace("(", "").replace(")", "") + ".json")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
-__all__ = ["analyse_trace", "compare", "run_profile_mode"]
+def profile_markdown(result, top=30):
+    cuda, f, side = "CUDA" in result["activities"], report.num, "GPU" if "CUDA" in result["activities"] else "host"
+    s, by = result["shape"], "device_ms" if "CUDA" in result["activities"] else "host_ms"
+    out = [f"# attnstash profile: one checkpointed decoder layer, forward + backward\n\n{s['heads']} query / "
+           f"{s['kv_heads']} KV heads x {s['head_dim']}, hidden {s['hidden']}, micro-batch {s['batch']} x seq "
+           f"{s['seq']}, {s['amp'] or s['dtype']} on {result['environment'].get('gpu', s['device'])}; SDPA backend "
+           f"{result['sdpa_backend']}; torch {result['environment']['torch']}; {result['warmup']} warm-up + "
+           f"{result['steps']} profiled steps per configuration; ms per step"
+           + ("." if cuda else "; CPU only: no kernels, every GPU figure 0."), "\n## Per configuration\n", "```",
+           report.table(result["configs"].items(), [
+               ("configuration", lambda kv: kv[0]), ("step", lambda kv: f(kv[1]["step_ms"])),
+               ("recompute (host)", lambda kv: f(kv[1]["recompute_host_ms"])),
+               ("GPU idle", lambda kv: f(kv[1]["gpu"]["step"]["idle_ms"])),
+               ("GPU idle in the recompute", lambda kv: f(kv[1]["gpu"]["recompute"]["idle_ms"])),
+               *[(f"{c} ({side})", lambda kv, c=c: f(kv[1][by][c])) for c in CLASSES],
+               ("kept/replayed", lambda kv: f"{kv[1]['stash']['keeps']}/{kv[1]['stash']['replays']}")]),
+           "\nattnstash ops, host ms per step (self):",
+           *[f"  {name}: {op} {v['calls']:g} calls, {v['cpu_ms']:.3f} ({v['self_cpu_ms']:.3f}); "
+             f"device {v['self_device_ms']:.3f}"
+             for name, c in result["configs"].items() for op, v in c["attnstash_ops"].items()], "```"]
+    for label, c in result["comparisons"].items():
+        a = c["accounting"]
+        terms = [*a["terms_ms"].items(), ("sum of the terms", a["sum_of_terms_ms"]),
+                 ("the step, measured (bench:step)", a["step_diff_ms"]), ("not in the terms", a["not_in_the_terms_ms"])]
+        out += [f"\n## {label}\n", "```", report.table(terms, [("difference, ms per step", lambda kv: kv[0]),
+                                                               ("", lambda kv: f"{kv[1]:+.3f}")]),
+                f"(GPU idle in the recompute: {a['gpu_idle_in_the_recompute_diff_ms']:+.3f})\n",
+                report.table(c["ops"][:top], [
+                    ("op or kernel (key_averages), per step", lambda r: r["name"][:80]),
+                    ("calls", lambda r: f"{r['base_calls']:g} -> {r['other_calls']:g}"),
+                    ("self CPU ms", lambda r: f"{r['base_self_cpu_ms']:.3f} -> {r['other_self_cpu_ms']:.3f}"),
+                    ("self device ms", lambda r: f"{r['base_self_device_ms']:.3f} -> {r['other_self_device_ms']:.3f}"),
+                    ("difference", lambda r: f"{r['device_diff_ms' if cuda else 'cpu_diff_ms']:+.3f}")]), "```"]
+    out.append("\n## torch.profiler's tables (key_averages of each configuration's profiled steps)\n")
+    for name, c in result["configs"].items():
+        out += [f"### {name}\n", "```", c["table"], "```"]
+    return "\n".join(out) + "\n"

@@ -1,132 +1,91 @@
 """--mode soak: many irregular steps; the stash must be empty after every one.
 
-A few hundred optimizer steps of a tiny model (preset "tiny") under each checkpointing mode
-(--checkpointing reentrant, non-reentrant or both, the default; a fresh model for each).
-Every step: the number of stashed layers is drawn anew (uninstall + install), then 1 to 4
-micro-batches, each one of
-    trained     forward + backward (the loss scaled by the micro-batch count)
-    dropped     a forward whose graph is dropped without a backward (its records must go
-                with the graph)
-    no-grad     an evaluation forward under torch.no_grad (keeps nothing)
-and an SGD step. Optionally under a budget (--max-bytes: keeps past it are declined, and
-the stash's peak_bytes must never pass it) and under autocast (--amp).
-
-After every step the stash must hold 0 entries and 0 bytes (asserted), under either mode.
-Process RSS (psutil) is recorded per step: first, last, maximum, and the least-squares
-slope over the second half (bytes/step), next to what one leaked entry per step would add.
+--steps SGD steps of a tiny model under each checkpointing mode of --checkpointing. Each step
+installs the stash on a random number of layers, then runs 1 to 4 micro-batches, each trained,
+dropped (a forward whose graph goes without a backward) or no-grad; optionally under a budget
+(--max-bytes: the peak must never pass it) and autocast (--amp). After every step the stash holds
+0 entries and 0 bytes (asserted). RSS per step: the least-squares slope over the second half,
+next to what one leaked entry per step would add.
 """
 import dataclasses
 import random
+import statistics
 import time
 import warnings
 
 import torch
 
 import attnstash
-from attnstash import budget, ops
 
-from . import report as reporting
-from .measure import environment, progress, slope
-from .models import build_model, enable_checkpointing, kept_bytes_per_layer
+from . import report
+from .harness import environment
+from .models import build_model, enable_checkpointing, plan
 
-MODES = ("reentrant", "non-reentrant")
+COUNTS = ("keeps", "declined", "replays", "misses", "released_unused")
 
 
-def soak_one_mode(shape, mode, steps, seed, max_bytes=None):
-    """`steps` irregular steps under checkpointing `mode`; returns that mode's report."""
+def soak(shape, mode, steps, seed, max_bytes=None):
+    """`steps` irregular steps under checkpointing `mode`; that mode's figures."""
     import psutil
-
-    rng = random.Random(seed)
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed + 1)
     model = enable_checkpointing(build_model(shape, seed=seed), mode)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    process = psutil.Process()
-    g = torch.Generator().manual_seed(seed + 1)
-    rss, log = [], []
-    budget_before = budget.stash_max_bytes()
-    if max_bytes is not None:
-        budget.stash_set_max_bytes(max_bytes)
-    ops.stash_reset_peak()
-    start = attnstash.stash_stats()
-    stashed = 0
-    bar = progress(steps, f"soak steps ({mode})", unit="step")
-    t0 = time.perf_counter()
-    try:
-        for step in range(steps):
-            if stashed:
-                attnstash.uninstall_attention_stash(model)
-                stashed = 0
-            stashed = rng.randint(1, shape.layers)
-            attnstash.install_attention_stash(model, stashed)
-            micro = rng.randint(1, 4)
-            kinds = []
+    rss, log, peak, start, t0 = [], [], 0, attnstash.stash_stats(), time.perf_counter()
+    for step in range(steps):
+        stashed = rng.randint(1, shape.layers)
+        attnstash.install_attention_stash(model, stashed, max_bytes=max_bytes)  # resets the peak
+        kinds, micro = [], rng.randint(1, 4)
+        try:
             for _ in range(micro):
                 ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g).to(shape.device)
                 roll = rng.random()
-                if roll < 0.1:  # an evaluation forward: keeps nothing
-                    with torch.no_grad(), shape.autocast(), warnings.catch_warnings():
-                        # reentrant checkpointing warns that no input requires grad: true, and meant
-                        warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")
-                        model(input_ids=ids, labels=ids)
-                    kinds.append("no-grad")
-                elif roll < 0.35:  # a forward whose graph is dropped without a backward
-                    with shape.autocast():
-                        model(input_ids=ids, labels=ids)  # the graph is dropped at once
-                    kinds.append("dropped")
-                else:
-                    with shape.autocast():
-                        loss = model(input_ids=ids, labels=ids).loss / micro
+                kinds.append("no-grad" if roll < 0.1 else "dropped" if roll < 0.35 else "trained")
+                with shape.autocast(), torch.set_grad_enabled(kinds[-1] != "no-grad"), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="None of the inputs have requires_grad=True")
+                    loss = model(input_ids=ids, labels=ids).loss / micro
+                if kinds[-1] == "trained":
                     loss.backward()
-                    del loss
-                    kinds.append("trained")
+                del loss  # a dropped forward's graph goes here
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             held = attnstash.stash_stats()
-            assert held["entries"] == 0 and held["bytes"] == 0, \
-                f"soak ({mode}) step {step}: the stash still holds {held['entries']} entries, {held['bytes']} bytes"
-            if max_bytes is not None:
-                assert held["peak_bytes"] <= max_bytes, \
-                    f"soak ({mode}) step {step}: the stash held {held['peak_bytes']:,} bytes, over {max_bytes:,}"
-            rss.append(process.memory_info().rss)
-            log.append({"step": step, "stashed_layers": stashed, "micro_batches": kinds, "rss": rss[-1]})
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if stashed:
+        finally:
             attnstash.uninstall_attention_stash(model)
-        budget.stash_set_max_bytes(budget_before)
-        if bar is not None:
-            bar.close()
-    seconds = time.perf_counter() - t0
+        assert held["entries"] == 0 and held["bytes"] == 0, \
+            f"soak ({mode}) step {step}: the stash still holds {held['entries']} entries, {held['bytes']} bytes"
+        assert max_bytes is None or held["peak_bytes"] <= max_bytes, \
+            f"soak ({mode}) step {step}: the stash held {held['peak_bytes']:,} bytes, over {max_bytes:,}"
+        peak = max(peak, held["peak_bytes"])
+        rss.append(psutil.Process().memory_info().rss)
+        log.append({"step": step, "stashed_layers": stashed, "micro_batches": kinds, "rss": rss[-1]})
     end = attnstash.stash_stats()
-    counts = {k: end[k] - start[k] for k in ("keeps", "declined", "replays", "misses", "released_unused")}
     half = rss[len(rss) // 2:]
+    slope = statistics.linear_regression(range(len(half)), half).slope if len(half) > 1 else 0.0
     kinds = [k for entry in log for k in entry["micro_batches"]]
-    return {
-        "checkpointing": mode, "steps": steps, "seconds": seconds,
-        "micro_batches": {k: kinds.count(k) for k in ("trained", "dropped", "no-grad")},
-        "stash": {**counts, "peak_bytes": end["peak_bytes"], "entries_at_end": end["entries"],
-                  "bytes_at_end": end["bytes"]},
-        "rss": {"first": rss[0], "last": rss[-1], "max": max(rss), "second_half_slope_bytes_per_step": slope(half),
-                "second_half_steps": len(half)},
-        "log": log,
-    }
+    return {"checkpointing": mode, "steps": steps, "seconds": time.perf_counter() - t0,
+            "micro_batches": {k: kinds.count(k) for k in ("trained", "dropped", "no-grad")},
+            "stash": {**{k: end[k] - start[k] for k in COUNTS}, "peak_bytes": peak, "entries_at_end": end["entries"],
+                      "bytes_at_end": end["bytes"]},
+            "rss": {"first": rss[0], "last": rss[-1], "max": max(rss), "second_half_slope_bytes_per_step": slope,
+                    "second_half_steps": len(half)}, "log": log}
 
 
-def run_soak(shape, args, out_dir):
-    """The soak under each checkpointing mode asked for; the stash must be empty after each step."""
-    modes = MODES if args.checkpointing == "both" else (args.checkpointing,)
-    limits = [budget.parse_bytes(p.strip()) for p in (args.max_bytes or "").split(",") if p.strip()]
-    if len(limits) > 1:
+def soak_mode(shape, args, out):
+    if len(args.max_bytes) > 1:
         raise SystemExit("attnstash.bench: --mode soak takes one --max-bytes budget")
-    max_bytes = limits[0] if limits else None
-    runs = {mode: soak_one_mode(shape, mode, args.steps, args.seed, max_bytes) for mode in modes}
-    one_entry, _ = kept_bytes_per_layer(shape)
-    report = {
-        "mode": "soak", "shape": dataclasses.asdict(shape), "environment": environment(shape, torch.get_num_threads()),
-        "steps": args.steps, "max_bytes": max_bytes, "bytes_of_one_kept_entry": one_entry, "runs": runs,
-    }
-    reporting.print_soak_report(report, shape.describe())
-    if out_dir is not None:
-        reporting.write_json(out_dir / "soak.json", report)
-        print(f"wrote {out_dir / 'soak.json'}")
-    return report
+    max_bytes = args.max_bytes[0][1] if args.max_bytes else None
+    modes = ("reentrant", "non-reentrant") if args.checkpointing == "both" else (args.checkpointing,)
+    runs = {mode: soak(shape, mode, args.steps, args.seed, max_bytes) for mode in modes}
+    one_entry = plan(build_model(dataclasses.replace(shape, layers=1)), shape).total_bytes
+    result = {"mode": "soak", "shape": dataclasses.asdict(shape), "environment": environment(shape.device),
+              "steps": args.steps, "max_bytes": max_bytes, "bytes_of_one_kept_entry": one_entry, "runs": runs}
+    print(f"soak: {args.steps} steps under each of {', '.join(runs)} checkpointing; {shape.describe()}"
+          + (f"; budget {max_bytes:,} bytes (never passed, asserted)" if max_bytes is not None else ""))
+    print(report.table(runs.values(), [
+        ("checkpointing", lambda r: r["checkpointing"]), ("seconds", lambda r: f"{r['seconds']:.1f}"),
+        *[(k, lambda r, k=k: r["stash"][k]) for k in COUNTS], ("peak bytes", lambda r: f"{r['stash']['peak_bytes']:,}"),
+        ("held after every step", lambda r: "0 entries, 0 bytes (asserted)"),
+        ("RSS slope, 2nd half", lambda r: f"{r['rss']['second_half_slope_bytes_per_step'] / 1e3:+.2f} kB/step")]))
+    print(f"one leaked entry per step would add {one_entry / 1e3:.1f} kB/step")
+    report.write(out, "soak", result)
+    return result

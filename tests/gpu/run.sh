@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# The GPU check, written to run blind on the GPU machine (no network; its python3 has a
-# CUDA torch, transformers and peft). From the repository root:
+# The GPU check, for a GPU machine with no network (its python3 has a CUDA torch, transformers,
+# diffusers and peft). From the repository root:
 #
-#     bash tests/gpu/run.sh                 # results under $OUT (the device tool) or out/gpu
+#     bash tests/gpu/run.sh                 # results under $OUT (default out/gpu)
 #     DEADLINE=300 bash tests/gpu/run.sh    # stop starting stages after 300 s
 #     STAGES="pytest-gpu profile" bash tests/gpu/run.sh   # only these (build always runs)
-#     DRY_RUN=1 bash tests/gpu/run.sh       # the plumbing on a CPU machine: tiny shapes, --device cpu
+#     DRY_RUN=1 PYTHON=.venv/bin/python bash tests/gpu/run.sh   # every stage on a CPU, tiny shapes
+#
+# DRY_RUN builds into a scratch directory (the tree's own build stays as it is; the later stages
+# use it) with limits for a small CPU machine (DEADLINE 1500 s, the build 900 s).
 #
 # Stages, most important first; each is time-boxed (its limit, and never past DEADLINE,
 # default 520 s), a failing stage does not stop the later ones, and the exit status says
@@ -15,16 +18,19 @@
 #   pytest-gpu  every GPU test: each kept backend with and without masks, fully-masked rows,
 #               opcheck, Hugging Face steps under both checkpointing modes, CUDA autocast
 #               (bf16, fp16), the budget, the planner's prediction against the kept bytes
-#   profile     one decoder layer at the Qwen3-30B-A3B attention shape under torch.profiler,
-#               without and with the stash, both checkpointing modes and SAC (profile.md)
+#   profile     one decoder layer at the Qwen3-30B-A3B attention shape (bf16, batch 4, 32 query /
+#               4 KV heads of 128, sequence 4096, causal) under torch.profiler: reentrant and
+#               non-reentrant, without and with the stash, and SAC (profile.md)
 #   layer       the same layer timed, interleaved rounds (layer.json)
 #   seq-sweep   sequence lengths 1k to 32k at that attention shape, batch 4 (seq_sweep.png)
 #   bench       a 4-layer model at that shape, one step per configuration (bench.png)
+#   dit         a Flux transformer (24 heads of 128, 512 text tokens) at 4096 and 16384 image
+#               tokens: no checkpointing, checkpointing, the stash, SAC (dit.json)
 #   pytest      the rest of the suite on this machine
 #
-# The device tool brings back at most 8 files from $OUT, so: summary.txt (one line per
-# stage), results.tar.gz (every log, JSON and PNG; refreshed after each stage), and the
-# small files read first: profile.md, layer.json, seq_sweep.png, bench.png.
+# Under $OUT: summary.txt (one line per stage), results.tar.gz (every log, JSON and PNG,
+# refreshed after each stage), and the files read first: profile.md, layer.json, seq_sweep.png,
+# bench.png, dit.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/gpu}
@@ -32,19 +38,22 @@ mkdir -p "$OUT"
 WORK=$(mktemp -d)
 PY=${PYTHON:-python3}
 case $PY in /*) ;; */*) PY=$PWD/$PY ;; *) PY=$(command -v "$PY") ;; esac  # CMake needs an absolute path
-DEADLINE=${DEADLINE:-520}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if [ "${DRY_RUN:-0}" = 1 ]; then
-  DEVICE=cpu PRESET=tiny SEQS=64,128 SWEEP_SECONDS=5 PYTEST_REST=(--co)
+  DEADLINE=${DEADLINE:-1500} BUILD_LIMIT=900 BUILD_DIR=$WORK/build BUILD_ARGS=(-DATTNSTASH_OUTPUT_DIR="$WORK/build")
+  DEVICE=cpu PRESET=tiny SEQS=64,128 SWEEP_SECONDS=5 PYTEST_REST=(--co) QUICK=(--repeats 2 --warmup 0)
+  DIT=(--preset dit --tokens 64,128 --heads 2 --head-dim 16 --layers 1 --single-layers 1 --text-tokens 16)
 else
-  DEVICE=cuda PRESET=qwen3-30b-a3b SEQS=1024,4096,16384,32768 SWEEP_SECONDS=60 PYTEST_REST=()
+  DEADLINE=${DEADLINE:-520} BUILD_LIMIT=240 BUILD_DIR=build/gpu BUILD_ARGS=()
+  DEVICE=cuda PRESET=qwen3-30b-a3b SEQS=1024,4096,16384,32768 SWEEP_SECONDS=60 PYTEST_REST=() QUICK=()
+  DIT=(--preset flux --tokens 4096,16384)
 fi
 echo "stage | exit | seconds" > "$OUT/summary.txt"
 failed=()
 
 collect() {  # the results so far into $OUT (the archive, and the files read first)
   tar -czf "$OUT/results.tar.gz.tmp" -C "$WORK" . && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
-  for f in profile.md layer.json seq_sweep.png bench.png; do
+  for f in profile.md layer.json seq_sweep.png bench.png dit.json; do
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/$f"
   done
   return 0
@@ -74,17 +83,16 @@ stage() {  # stage NAME SECONDS COMMAND...
   collect
 }
 
-# The GPU image's default compiler (/opt/gcc) puts pieces of its libstdc++ into the
-# shared object itself, and their iostreams crash inside torch's process (seen on the
-# H200 machine): build with the system compiler when there is one.
+# Build with the system compiler where there is one: a compiler that links parts of its
+# libstdc++ statically into shared objects makes the extension crash in iostreams.
 compilers=()
 if [ -x /usr/bin/gcc ] && [ -x /usr/bin/g++ ]; then
   compilers=(-DCMAKE_C_COMPILER=/usr/bin/gcc -DCMAKE_CXX_COMPILER=/usr/bin/g++)
 fi
 generator=()
 command -v ninja > /dev/null && generator=(-G Ninja)
-stage build 240 bash -c "cmake -S . -B build/gpu ${generator[*]} -DPython_EXECUTABLE=$PY \
-  -DCMAKE_BUILD_TYPE=Release ${compilers[*]} && cmake --build build/gpu -j $(nproc)"
+stage build "$BUILD_LIMIT" bash -c "cmake -S . -B $BUILD_DIR ${generator[*]} -DPython_EXECUTABLE=$PY \
+  -DCMAKE_BUILD_TYPE=Release ${compilers[*]} ${BUILD_ARGS[*]} && cmake --build $BUILD_DIR -j $(nproc)"
 
 stage info 90 bash -c "$PY -m attnstash.info && $PY -c '
 import torch
@@ -107,10 +115,11 @@ stage pytest-gpu 200 $PY -m pytest tests/python/test_gpu_ops.py tests/python/tes
   -v -rs -p no:cacheprovider --junitxml="$WORK/pytest-gpu.xml"
 
 BENCH=("$PY" -m attnstash.bench --preset "$PRESET" --device "$DEVICE" --out "$WORK")
-stage profile 150 "${BENCH[@]}" --mode profile
-stage layer 120 "${BENCH[@]}" --mode layer
+stage profile 150 "${BENCH[@]}" --mode profile "${QUICK[@]}"
+stage layer 120 "${BENCH[@]}" --mode layer "${QUICK[@]}"
 stage seq-sweep 240 "${BENCH[@]}" --mode seq-sweep --seqs "$SEQS" --sweep-seconds "$SWEEP_SECONDS"
-stage bench 200 "${BENCH[@]}"
+stage bench 200 "${BENCH[@]}" "${QUICK[@]}"
+stage dit 200 "$PY" -m attnstash.bench --mode dit --device "$DEVICE" --out "$WORK" "${DIT[@]}" "${QUICK[@]}"
 stage pytest 300 $PY -m pytest tests/python -q -rs -p no:cacheprovider --ignore=tests/python/test_gpu_ops.py \
   --junitxml="$WORK/pytest.xml" "${PYTEST_REST[@]}"
 
