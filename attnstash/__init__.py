@@ -21,8 +21,8 @@ import importlib
 import warnings
 
 from ._version import __version__
-from .errors import (CheckpointingError, InstallError, KeepError, ReplayError, StashError,
-                     UnsupportedVersionError)
+from .errors import (ArgumentError, CheckpointingError, InstallError, KeepError, PlanError, ReplayError,
+                     StashError, UnsupportedVersionError)
 
 try:
     from . import ops as _ops  # registers torch.ops.attnstash.* and their fake kernels
@@ -42,8 +42,8 @@ _EXPORTS = {
 }
 _WITHOUT_OPS = {"parse_bytes", "plan"}  # usable when the ops cannot load
 
-__all__ = sorted(_EXPORTS) + ["__version__", "StashError", "InstallError", "UnsupportedVersionError",
-                              "CheckpointingError", "KeepError", "ReplayError"]
+__all__ = sorted(_EXPORTS) + ["__version__", "StashError", "ArgumentError", "InstallError", "UnsupportedVersionError",
+                              "CheckpointingError", "KeepError", "ReplayError", "PlanError"]
 
 
 def __getattr__(name):

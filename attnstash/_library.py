@@ -12,7 +12,7 @@ _MARK = re.compile(rb"attnstash-built-for-torch:([^;\x00]+);")
 
 # The torch releases attnstash supports, oldest and newest (major, minor): the private ATen
 # ops it calls, and what F.sdpa does before them, were read for each release in this range
-# (the differences: torch_ops/torch_compat.h and torch_ops/backends/), and
+# (where they differ: torch_ops/backends/), and
 # tests/torch_matrix.sh builds and runs the CPU suite on each (README.md, Build, lists the
 # results, and any release it has not run on yet). Older releases are not declared because
 # they were not verified. CMakeLists.txt reads this line too and refuses any other torch.

@@ -9,6 +9,11 @@ import threading
 from fractions import Fraction
 from typing import Optional, Union
 
+try:
+    from .errors import ArgumentError
+except ImportError:  # loaded on its own, at start-up (integrations/autostash.py)
+    ArgumentError = ValueError
+
 MAX_BYTES = 2**63 - 1
 """The largest budget the registry takes (an int64 count of bytes)."""
 
@@ -23,27 +28,27 @@ _ACCEPTED = ('an int from 0 to 2**63 - 1, or a string such as "8GiB", "512MB", "
 def parse_bytes(value: Union[int, str, None]) -> Optional[int]:
     """A byte count from an int or a string such as "8GiB", "512MB", "1.5 GB" or "1024"
     (MB/GB are powers of 10, MiB/GiB of 2, as other tools count them), computed exactly
-    ("2.01MB" is 2,010,000); None stays None. Raises ValueError for anything else: negative
-    numbers, bools, other units, and counts above MAX_BYTES."""
+    ("2.01MB" is 2,010,000); None stays None. Raises ArgumentError (a ValueError) for anything
+    else: negative numbers, bools, other units, and counts above MAX_BYTES."""
     if value is None:
         return None
     if isinstance(value, bool):
-        raise ValueError(f"attnstash: a byte count must be {_ACCEPTED}; got the bool {value!r}.")
+        raise ArgumentError(f"attnstash: a byte count must be {_ACCEPTED}; got the bool {value!r}.")
     if isinstance(value, str):
         found = _SIZE.match(value)
         unit = found.group(2).lower() if found else None
         if not found or unit not in _UNITS:
-            raise ValueError(f"attnstash: cannot read {value!r} as a byte count: use {_ACCEPTED}.")
+            raise ArgumentError(f"attnstash: cannot read {value!r} as a byte count: use {_ACCEPTED}.")
         count = int(Fraction(found.group(1)) * _UNITS[unit])  # exact: "2.01MB" is 2,010,000
     else:
         try:
             count = int(value.__index__())
         except (AttributeError, TypeError):
-            raise ValueError(f"attnstash: a byte count must be {_ACCEPTED}; got {type(value).__name__} "
-                             f"{value!r}.") from None
+            raise ArgumentError(f"attnstash: a byte count must be {_ACCEPTED}; got {type(value).__name__} "
+                                f"{value!r}.") from None
     if not 0 <= count <= MAX_BYTES:
-        raise ValueError(f"attnstash: a byte count must be {_ACCEPTED}; got {value!r}"
-                         + (f" = {count:,} bytes." if isinstance(value, str) and count <= MAX_BYTES else "."))
+        raise ArgumentError(f"attnstash: a byte count must be {_ACCEPTED}; got {value!r}"
+                            + (f" = {count:,} bytes." if isinstance(value, str) and count <= MAX_BYTES else "."))
     return count
 
 

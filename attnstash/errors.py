@@ -1,9 +1,12 @@
 """The errors attnstash raises, by kind, so that users and tests can catch a kind.
 
-Every one is a StashError (a RuntimeError); the installer's refusals are also ValueErrors,
-and a version outside the supported range is also an ImportError. The messages say what
+Every one is a StashError (a RuntimeError); the installer's refusals and values attnstash
+cannot read are also ValueErrors, and a version outside the supported range is also an
+ImportError. The messages say what
 was expected, what was found and what to do; README.md, "Fails instead of falling back",
-lists the refusals of each kind.
+lists the refusals of each kind. The compiled ops (torch.ops.attnstash.*) refuse through the
+dispatcher, as a RuntimeError with the message; the installer raises those as KeepError or
+ReplayError.
 """
 
 
@@ -14,6 +17,15 @@ class StashError(RuntimeError):
 class InstallError(StashError, ValueError):
     """install_attention_stash cannot serve this model, these layers or these arguments
     (nothing was installed)."""
+
+
+class ArgumentError(StashError, ValueError):
+    """A value attnstash cannot read: a byte count, a number of layers, a planner option."""
+
+
+class PlanError(StashError):
+    """attnstash.plan cannot run the model's shape-only forward (it computes something from
+    values the planner does not have)."""
 
 
 class UnsupportedVersionError(StashError, ImportError):

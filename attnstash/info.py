@@ -1,6 +1,7 @@
 """python -m attnstash.info: the versions and build facts to put in a bug report."""
 import platform
 import sys
+from importlib import metadata
 
 
 def collect() -> dict:
@@ -16,12 +17,18 @@ def collect() -> dict:
     }
     if torch.cuda.is_available():
         facts["gpu"] = torch.cuda.get_device_name()
-    try:
-        import transformers
-        facts["transformers"] = transformers.__version__
-    except ImportError:
-        facts["transformers"] = "not installed"
     from . import _library
+    from .install import transformers_adapter
+    (lo, hi) = _library.SUPPORTED_TORCH
+    facts["torch supported"] = f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
+    for name in ("transformers", "diffusers", "peft", "accelerate", "deepspeed", "trl"):
+        try:
+            facts[name] = metadata.version(name)  # (not imported: some are slow to import, or print)
+        except metadata.PackageNotFoundError:
+            facts[name] = "not installed"
+        if name == "transformers":
+            (lo, hi) = transformers_adapter.SUPPORTED
+            facts["transformers supported"] = f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
     import attnstash
     facts["attnstash"] = attnstash.__version__
     facts["attnstash library"] = str(_library.library_path() or "not built")

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _library, backends
+from .errors import KeepError
 
 _library.load()  # registers the ops (attnstash/_C); explains a missing or mismatched build
 _ops = torch.ops.attnstash
@@ -128,10 +129,10 @@ def held_ids() -> list:
 # kernels, which say it when a call would keep.)
 
 def _refuse_jagged(subclass, func, types, args=(), kwargs=None):
-    raise RuntimeError(f"attnstash::{func._opname}: query, key or value is a nested (jagged) tensor, which "
-                       "attnstash cannot keep: it keeps dense [batch, heads, seq, head_dim] attention. Pad the batch "
-                       "into a dense tensor with an attention mask, or call F.scaled_dot_product_attention for "
-                       "nested tensors.")
+    raise KeepError(f"attnstash::{func._opname}: query, key or value is a nested (jagged) tensor, which "
+                    "attnstash cannot keep: it keeps dense [batch, heads, seq, head_dim] attention. Pad the batch "
+                    "into a dense tensor with an attention mask, or call F.scaled_dot_product_attention for "
+                    "nested tensors.")
 
 
 try:

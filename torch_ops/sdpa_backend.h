@@ -7,7 +7,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include "torch_compat.h"
+#include <ATen/SDPBackend.h>  // at::SDPBackend, as at::_fused_sdp_choice returns it
 
 #include <optional>
 #include <tuple>

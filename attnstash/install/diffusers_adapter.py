@@ -88,7 +88,8 @@ def _resolve(owner, path):
             elif isinstance(step, int) and isinstance(item, (torch.nn.ModuleList, torch.nn.Sequential, list, tuple)):
                 if -len(item) <= step < len(item):
                     nxt.append(item[step])
-            elif isinstance(step, str) and isinstance(item, torch.nn.Module) and not isinstance(item, torch.nn.ModuleDict):
+            elif (isinstance(step, str) and isinstance(item, torch.nn.Module)
+                  and not isinstance(item, torch.nn.ModuleDict)):
                 value = getattr(item, step, None)
                 if value is not None:
                     nxt.append(value)

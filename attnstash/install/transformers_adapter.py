@@ -1,4 +1,4 @@
-"""What the installer needs to know of Hugging Face transformers (4.57 to 5.23, SUPPORTED).
+"""What the installer needs to know of Hugging Face transformers (the releases of SUPPORTED, below).
 
 Layers: the model's GradientCheckpointingLayers, in the order of model.modules(); a layer
 has attention if a module class of its own (not of a layer nested in it) calls

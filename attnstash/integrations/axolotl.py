@@ -17,6 +17,8 @@ from typing import Optional, Union
 from axolotl.integrations.base import BasePlugin
 from pydantic import BaseModel
 
+from attnstash.errors import ArgumentError
+
 
 class AttentionStashArgs(BaseModel):
     """The plugin's YAML keys."""
@@ -31,8 +33,8 @@ def _num_layers(value):
         return int(value)
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         return value
-    raise ValueError(f"attnstash: attnstash_layers: {value!r} is not a number of layers: use \"all\" (every attention "
-                     "layer) or a positive int (the last N attention layers).")
+    raise ArgumentError(f"attnstash: attnstash_layers: {value!r} is not a number of layers: use \"all\" (every "
+                        "attention layer) or a positive int (the last N attention layers).")
 
 
 def _get(cfg, name, default=None):
@@ -53,7 +55,7 @@ class AttentionStashPlugin(BasePlugin):
         if selective:
             save = _get(selective, "save", ["attention"]) if not isinstance(selective, bool) else ["attention"]
             if "attention" in (save or []):
-                raise ValueError(
+                raise ArgumentError(
                     "attnstash: the config turns on both attnstash (plugins: attnstash...AttentionStashPlugin) and "
                     "axolotl's selective_checkpointing saving attention: both would hold each attention output for "
                     "the recompute, the second copy for nothing. Use one: remove selective_checkpointing (attnstash "

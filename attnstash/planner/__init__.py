@@ -29,6 +29,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import backends
+from ..errors import ArgumentError, PlanError
 from . import cuda_rules, sources
 from .arguments import capability_of, dtype_of, positive, backend_of
 from .results import CallPlan, LayerPlan, StashPlan, budget_bytes
@@ -78,7 +79,7 @@ def plan(source, *example_inputs, example_kwargs=None, batch_size=None, seq_len=
     try:
         found = find_layers(planned.model, layers)
     except InstallError as e:
-        raise ValueError(f"attnstash.plan: {str(e).removeprefix('attnstash: ')}") from None
+        raise InstallError(f"attnstash.plan: {str(e).removeprefix('attnstash: ')}") from None
     stashable = [(i, f) for i, f in enumerate(found) if f.stashable]
     calls = _forward(planned, [f.module for _, f in stashable])
     planned_layers = []
@@ -104,9 +105,9 @@ def _source(source, args, kwargs, batch_size, seq_len, frames, height, width, te
         if args or kwargs:
             return sources.from_model(source, args, kwargs, dtype)
         if batch_size is None or seq_len is None:
-            raise ValueError(f"attnstash.plan: for {type(source).__name__}, give its inputs for one micro-batch "
-                             "(attnstash.plan(model, *inputs, example_kwargs={...})), or batch_size and seq_len for "
-                             "input_ids.")
+            raise ArgumentError(f"attnstash.plan: for {type(source).__name__}, give its inputs for one micro-batch "
+                                "(attnstash.plan(model, *inputs, example_kwargs={...})), or batch_size and seq_len for "
+                                "input_ids.")
         return sources.from_transformers_model(source, positive("batch_size", batch_size),
                                                positive("seq_len", seq_len), padded, dtype)
     config, where = sources.read_config(source)
@@ -125,10 +126,10 @@ def _device(device, source):
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"attnstash.plan: device must be \"cpu\", \"cuda\" or \"cuda:N\", got {device!r} ({e}).") \
+        raise ArgumentError(f"attnstash.plan: device must be \"cpu\", \"cuda\" or \"cuda:N\", got {device!r} ({e}).") \
             from None
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"attnstash.plan: the stash keeps attention on cpu and cuda; got device {device}.")
+        raise ArgumentError(f"attnstash.plan: the stash keeps attention on cpu and cuda; got device {device}.")
     if device.type == "cuda" and torch.cuda.is_available() and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -144,9 +145,11 @@ def _forward(planned, layers):
             else:
                 torch.func.functional_call(planned.model, planned.stand_ins, planned.args, planned.kwargs,
                                            strict=False)
+    except PlanError:
+        raise
     except Exception as e:
-        raise RuntimeError(f"attnstash.plan: the shape-only training forward of {planned.name} with {planned.inputs} "
-                           f"failed: {e}") from e
+        raise PlanError(f"attnstash.plan: the shape-only training forward of {planned.name} with {planned.inputs} "
+                        f"failed: {e}") from e
     return calls
 
 

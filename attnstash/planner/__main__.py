@@ -37,10 +37,12 @@ def main(argv=None):
     args = parser().parse_args(argv)
     try:
         result = plan(args.config, batch_size=args.batch, seq_len=args.seq, latent_frames=args.latent_frames,
-                      latent_height=args.latent_height, latent_width=args.latent_width, text_len=args.text_len, dtype=args.dtype, device=args.device,
+                      latent_height=args.latent_height, latent_width=args.latent_width, text_len=args.text_len,
+                      dtype=args.dtype, device=args.device,
                       max_bytes=args.max_bytes, padded=args.padded, backend=args.backend,
                       cuda_capability=capability_of(args.sm))
     except (ValueError, RuntimeError) as e:  # a config it cannot read (2), a forward that failed (1): one line
+        # (ValueError: ArgumentError, InstallError and json's; RuntimeError: PlanError and torch's)
         print(f"python -m attnstash.planner: error: {str(e).removeprefix('attnstash.plan: ')}", file=sys.stderr)
         return 2 if isinstance(e, ValueError) else 1
     print(result)

@@ -6,13 +6,14 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from ..budget import parse_bytes
+from ..errors import ArgumentError
 
 
 def budget_bytes(value):
     """A budget in bytes, as attnstash.parse_bytes reads it (None is not one)."""
     count = parse_bytes(value)
     if count is None:
-        raise ValueError("attnstash.plan: a budget must be a byte count, got None.")
+        raise ArgumentError("attnstash.plan: a budget must be a byte count, got None.")
     return count
 
 

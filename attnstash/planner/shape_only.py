@@ -10,6 +10,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+
+from ..errors import PlanError
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..install import torch_adapter, transformers_adapter
@@ -119,9 +121,9 @@ def _run(func, args, kwargs):
         try:
             out = _on_meta(func, args, kwargs)
         except (NotImplementedError, RuntimeError) as e:
-            raise RuntimeError(f"attnstash.plan: the shape-only forward cannot run {func} ({e}). The model computes "
-                               "something from values the planner does not have; pass example inputs that make it "
-                               "take another path, or report it with the model.") from e
+            raise PlanError(f"attnstash.plan: the shape-only forward cannot run {func} ({e}). The model computes "
+                            "something from values the planner does not have; pass example inputs that make it "
+                            "take another path, or report it with the model.") from e
     if func._schema.name.endswith("_") and args:  # in place: the caller keeps its own tensor
         return args[0]
     if "out" in kwargs:

@@ -20,6 +20,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ..errors import ArgumentError
 from .shape_only import ShapeOnly
 
 
@@ -50,7 +51,7 @@ def eager_experts(model):
 
 
 def _error(message):
-    return ValueError(f"attnstash.plan: {message}")
+    return ArgumentError(f"attnstash.plan: {message}")
 
 
 def _shape_only(t, dtype=None):
@@ -75,7 +76,8 @@ def _describe(args, kwargs):
 
 def from_model(model, args, kwargs, dtype):
     """A model of any kind with example inputs."""
-    stand_ins = {name: _shape_only(t, dtype) for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+    stand_ins = {name: _shape_only(t, dtype)
+                 for name, t in list(model.named_parameters()) + list(model.named_buffers())}
     return Source(model, stand_ins, tuple(args), dict(kwargs), type(model).__name__, _describe(args, kwargs), dtype)
 
 

@@ -1,6 +1,7 @@
 """The package registers its compiled ops when imported, explains a missing or mismatched
 build, and reports its build."""
 import os
+import re
 import subprocess
 import sys
 
@@ -76,7 +77,13 @@ def test_info_prints_versions_and_ops():
     out = subprocess.run([sys.executable, "-m", "attnstash.info"], capture_output=True, text=True, check=True).stdout
     assert "torch  " in out and torch.__version__ in out
     assert "attnstash::sdpa_fwd_keep" in out and "attnstash::sdpa_replay" in out
-    assert "transformers" in out
+    from importlib import metadata
+    from attnstash.install import transformers_adapter
+    (lo, hi) = transformers_adapter.SUPPORTED
+    facts = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in out.splitlines())
+    assert facts["transformers"] == metadata.version("transformers")
+    assert facts["transformers supported"] == f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
+    assert facts["diffusers"] == metadata.version("diffusers")
 
 
 def test_import_error_names_both_torches_and_the_rebuild_command(monkeypatch):
