@@ -76,8 +76,10 @@ test-python: build
 
 # The tests that depend on transformers, again under each release of HF_ALSO: the same
 # extension (same torch, same Python) imported from the source tree.
-HF_TESTS = tests/python/test_huggingface.py tests/python/test_training_setups.py tests/python/test_trainer.py \
-  tests/python/test_plan.py tests/python/test_model_sweep.py tests/python/test_budget.py
+HF_TESTS = tests/python/test_huggingface_training.py tests/python/test_huggingface_refusals.py \
+  tests/python/test_huggingface_install.py tests/python/test_training_setups.py tests/python/test_trainer.py \
+  tests/python/test_plan_measured.py tests/python/test_plan_command.py tests/python/test_plan_cuda.py \
+  tests/python/test_model_sweep.py tests/python/test_budget.py
 print-hf-tests:
 	@echo $(HF_TESTS)
 

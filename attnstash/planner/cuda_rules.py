@@ -1,6 +1,6 @@
 """Which backend F.sdpa would pick on a CUDA device, for the planner on a machine that has
 none (where there is one, the planner asks torch._fused_sdp_choice there instead, and
-tests/python/test_plan.py compares these rules with it on the GPU).
+tests/python/test_plan_cuda.py compares these rules with it on the GPU).
 
 torch decides in aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (compiled into
 libtorch_cuda, not shipped as source). These rules restate it for dense 4-D inputs, for the

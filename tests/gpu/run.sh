@@ -109,9 +109,9 @@ if dev == \"cuda\":
               SDPBackend(choice).name)
 '"
 
-# Every test that needs a GPU: test_gpu_ops.py, and the CUDA tests of the other modules.
-# (-k: every test of test_gpu_ops.py, whose module name matches, and test_plan.py's GPU ones.)
-stage pytest-gpu 200 $PY -m pytest tests/python/test_gpu_ops.py tests/python/test_plan.py -k "gpu or cuda" \
+# Every test that needs a GPU: test_gpu_ops.py (the ops) and test_plan_cuda.py (the planner's
+# CUDA rules against torch's own choice).
+stage pytest-gpu 200 $PY -m pytest tests/python/test_gpu_ops.py tests/python/test_plan_cuda.py \
   -v -rs -p no:cacheprovider --junitxml="$WORK/pytest-gpu.xml"
 
 BENCH=("$PY" -m attnstash.bench --preset "$PRESET" --device "$DEVICE" --out "$WORK")

@@ -24,10 +24,12 @@
 #      any mutation survived, did not apply or did not build.
 #
 # The suite run for each mutation, in this order (-x stops at the first failure, so the
-# fast op tests go first): tests/python/test_sdpa_ops.py, tests/python/test_huggingface.py,
-# then every other tests/python/test_*.py in name order (test_bench.py, test_compile.py,
-# test_gpu_ops.py, whose tests skip without CUDA, test_package.py, ...). Nothing is
-# excluded. The GoogleTest suites (tests/cpp) are not run. Override with PYTEST_FILES="...".
+# fast files that catch most mutations go first): tests/python/test_sdpa_ops*.py (the ops),
+# test_budget*.py, test_any_model.py, test_edge_inputs.py, test_huggingface*.py,
+# test_training_setups.py, test_trainer.py, then every other tests/python/test_*.py in name
+# order (test_gpu_ops.py's tests skip without CUDA), test_tools.py (trl and accelerate launch,
+# a subprocess each) last. Nothing is excluded. The GoogleTest suites (tests/cpp) are not run.
+# Override with PYTEST_FILES="..." (exact paths, in the order to run).
 #
 # Each patch is a unified diff relative to the repository root (made with `git diff`),
 # preceded by '#' comment lines saying which bug it reintroduces (git apply ignores text
@@ -110,12 +112,19 @@ files=()
 if [ -n "${PYTEST_FILES:-}" ]; then
   read -r -a files <<<"$PYTEST_FILES"
 else
-  files=()
-  for f in tests/python/test_sdpa_ops.py tests/python/test_huggingface.py; do [ -f "$TREE/$f" ] && files+=("$f"); done
+  # Globs, so that a file split or added later keeps its place: the fast files that catch
+  # most mutations first, then every other file in name order, the slowest (`last`) at the end.
+  first=('test_sdpa_ops_bitwise.py' 'test_sdpa_ops_phases.py' 'test_sdpa_ops_refusals.py' 'test_sdpa_ops*.py'
+         'test_budget*.py' 'test_any_model.py' 'test_edge_inputs.py'
+         'test_huggingface_training.py' 'test_huggingface_refusals.py' 'test_huggingface*.py'
+         'test_training_setups.py' 'test_trainer.py')
+  last=('test_tools.py')  # names: the command-line tools, a subprocess each (trl, accelerate launch)
+  add() { case " ${files[*]} " in *" $1 "*) ;; *) [ -f "$TREE/$1" ] && files+=("$1") ;; esac; }
+  for p in "${first[@]}"; do for f in "$TREE"/tests/python/$p; do add "tests/python/${f##*/}"; done; done
   for f in "$TREE"/tests/python/test_*.py; do
-    f=tests/python/$(basename "$f")
-    case " ${files[*]} " in *" $f "*) ;; *) files+=("$f") ;; esac
+    case " ${last[*]} " in *" ${f##*/} "*) ;; *) add "tests/python/${f##*/}" ;; esac
   done
+  for p in "${last[@]}"; do add "tests/python/$p"; done
 fi
 run_suite() {  # run_suite LOGFILE: pytest -x on the copy; returns pytest's exit status
   (cd "$TREE" && PYTHONPATH=$TREE PYTHONDONTWRITEBYTECODE=1 timeout "$TIMEOUT" \

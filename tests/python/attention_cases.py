@@ -1,4 +1,4 @@
-"""What the op tests (test_sdpa_ops.py on CPU, test_gpu_ops.py on CUDA, test_compile.py)
+"""What the op tests (test_sdpa_ops_*.py on CPU, test_gpu_ops.py on CUDA, test_compile.py)
 build their attention calls from: query, key and value in Hugging Face's layout, padding
 masks, an attention Block and a checkpointed training step through it, and error_of."""
 import pytest
@@ -95,3 +95,8 @@ def error_of(fn):
     with pytest.raises(RuntimeError) as info:
         fn()
     return str(info.value)
+
+
+def anchor_for(q):
+    """An anchor (a layer input that requires grad) for a query of [batch, heads, seq, head_dim]."""
+    return torch.randn(q.shape[0], q.shape[2], 16, requires_grad=True)

@@ -11,14 +11,9 @@ import torch
 
 import attnstash
 from tiny_torch_models import Block, TableBlock, gpt, ids, loss_and_grads, wrapped
-from tiny_models import assert_bitwise_equal
+from tiny_models import assert_bitwise_equal, counters
 
 MODES = ("reentrant", "non-reentrant")
-
-
-def counters():
-    s = attnstash.stash_stats()
-    return s["keeps"], s["replays"]
 
 
 def assert_the_stash_gives_the_normal_recompute(base, installed, calls, **install):

@@ -66,3 +66,10 @@ def nothing_installed():
     from transformers.modeling_layers import GradientCheckpointingLayer
     return (F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
             and "_gradient_checkpointing_func" not in vars(GradientCheckpointingLayer))
+
+
+def counters():
+    """The stash's (keeps, replays) so far."""
+    import attnstash
+    s = attnstash.stash_stats()
+    return s["keeps"], s["replays"]

@@ -1,0 +1,110 @@
+"""install_attention_stash and uninstall_attention_stash on tiny Hugging Face models: uninstall
+restores the original behaviour, an install is all or nothing, num_layers takes what
+operator.index takes, two models installed at once do not interfere, and a deep copy carries an
+install of its own."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import attnstash
+from tiny_models import (assert_bitwise_equal, batch, clone, counters, loss_and_grads, nothing_installed,
+                         tiny_model)
+
+
+def module_state(model):
+    """What an install may touch on each module: its attributes and hooks."""
+    return [(sorted(m.__dict__), len(m._forward_pre_hooks), len(m._forward_hooks)) for m in model.modules()]
+
+
+def test_uninstall_restores_the_original_behaviour():
+    model = tiny_model("llama")
+    before = module_state(model)
+    attnstash.install_attention_stash(model, 3)
+    assert not nothing_installed()
+    assert all("forward" in layer.__dict__ for layer in model.model.layers)
+    attnstash.uninstall_attention_stash(model)
+    assert nothing_installed()
+    assert module_state(model) == before
+    model.gradient_checkpointing_disable()
+    ids = batch()
+    model(input_ids=ids, labels=ids).loss.backward()  # would fail if anything were left
+    assert attnstash.stash_stats()["entries"] == 0
+    with pytest.raises(ValueError, match="no attention stash installed"):
+        attnstash.uninstall_attention_stash(model)
+
+
+def test_two_models_installed_at_once_do_not_interfere(installed):
+    base_a, base_b = tiny_model("llama", seed=0), tiny_model("qwen3_moe", seed=1)
+    ids = batch()
+    ref_a, ref_b = loss_and_grads(clone(base_a), ids), loss_and_grads(clone(base_b), ids)
+    a, b = clone(base_a), clone(base_b)
+    installed(a, 3)
+    installed(b, 1)
+    loss_a = a(input_ids=ids, labels=ids).loss
+    loss_b = b(input_ids=ids, labels=ids).loss
+    assert attnstash.layer_stash_stats(a).keys() == {0, 1, 2} and attnstash.layer_stash_stats(b).keys() == {2}
+    loss_a.backward()
+    assert attnstash.layer_stash_stats(b)[2][0] == 1  # a's backward left b's output alone
+    loss_b.backward()
+    assert_bitwise_equal((loss_a.detach(), {n: p.grad for n, p in a.named_parameters()}), ref_a)
+    assert_bitwise_equal((loss_b.detach(), {n: p.grad for n, p in b.named_parameters()}), ref_b)
+    attnstash.uninstall_attention_stash(a)
+    keeps = attnstash.stash_stats()["keeps"]
+    b.zero_grad()
+    assert_bitwise_equal(loss_and_grads(b, ids), ref_b)
+    assert attnstash.stash_stats()["keeps"] == keeps + 1  # b still stashes its last layer
+
+def test_install_is_all_or_nothing(monkeypatch):
+    # A failure part-way (here: the third layer's forward cannot be wrapped) leaves no
+    # attribute, wrapper or patch behind, and a later install works.
+    from attnstash.install import core
+    model = tiny_model("llama")
+    before = module_state(model)
+    wrap = core.LayerForward.__init__
+
+    def refuse_the_third(self, layer):
+        if layer is model.model.layers[2]:
+            raise RuntimeError("refused")
+        wrap(self, layer)
+
+    monkeypatch.setattr(core.LayerForward, "__init__", refuse_the_third)
+    with pytest.raises(RuntimeError, match="refused"):
+        attnstash.install_attention_stash(model, max_bytes=100)
+    monkeypatch.undo()
+    assert module_state(model) == before and nothing_installed()
+    assert attnstash.stash_max_bytes() is None
+    assert attnstash.install_attention_stash(model) == [0, 1, 2]
+    attnstash.uninstall_attention_stash(model)
+
+
+@pytest.mark.parametrize("num_layers", [np.int64(2), torch.tensor(2), 2])
+def test_num_layers_takes_what_operator_index_takes(num_layers, installed):
+    assert installed(tiny_model("llama"), num_layers) == [1, 2]
+
+
+def test_a_deep_copy_carries_an_install_of_its_own(installed):
+    base = tiny_model("llama")
+    ids = batch()
+    reference = loss_and_grads(clone(base), ids)
+    model = clone(base)
+    installed(model, 2)
+    twin = copy.deepcopy(model)
+    assert attnstash.layer_stash_stats(twin).keys() == {1, 2}
+    with pytest.raises(ValueError, match="already has the stash"):
+        attnstash.install_attention_stash(twin, 1)
+    # Each trains with its own records: the copy's forward is held while the original trains.
+    loss_twin = twin(input_ids=ids, labels=ids).loss
+    assert attnstash.layer_stash_stats(twin) != attnstash.layer_stash_stats(model)
+    keeps, replays = counters()
+    assert_bitwise_equal(loss_and_grads(model, ids), reference)
+    assert counters() == (keeps + 2, replays + 2)
+    assert attnstash.layer_stash_stats(twin)[2][0] == 1  # the original's backward left the copy's record
+    loss_twin.backward()
+    assert torch.equal(loss_twin.detach(), reference[0])
+    attnstash.uninstall_attention_stash(twin)
+    assert not any(hasattr(m, "_attnstash") for m in twin.modules())
+    assert attnstash.install_attention_stash(twin, 1) == [2]  # once uninstalled, it can be installed
+    attnstash.uninstall_attention_stash(twin)
+    assert attnstash.layer_stash_stats(model).keys() == {1, 2}  # the original keeps its install
