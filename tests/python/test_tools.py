@@ -85,8 +85,8 @@ def test_accelerate_launch_two_cpu_processes_every_rank_stashes(mode, assets, tm
         output = tool([str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--main_process_port",
                        "0", str(ROOT / "tests" / "tools" / "train_script.py"), str(assets["model"].parent),
                        str(tmp_path / str(stash)), mode], tmp_path, stash)
-        results[stash] = sorted((json.loads(line.split(" ", 1)[1]) for line in output.splitlines()
-                                 if line.startswith("RESULT ")), key=lambda r: r["rank"])
+        results[stash] = sorted((json.loads(f.read_text()) for f in (tmp_path / str(stash)).glob("result-*.json")),
+                                key=lambda r: r["rank"])
         if stash:
             assert "attnstash (rank 0): 2 layers stashed" in output and "attnstash (rank 1): 2 layers stashed" in output
     assert [r["rank"] for r in results[True]] == [0, 1] and all(r["world"] == 2 for r in results[True])

@@ -1,6 +1,7 @@
 """A transformers Trainer script, for the launcher tests: trains the tiny assets' model
 (tests/python/tiny_assets.py) for 3 steps with reentrant or non-reentrant checkpointing and
-prints one JSON line per process: its rank, world size, logged losses and attnstash figures.
+writes one JSON file per process, OUT/result-RANK.json (the ranks share one stdout, where their lines
+can interleave): its rank, world size, logged losses and attnstash figures.
 
     accelerate launch --multi_gpu --num_processes 2 tests/tools/train_script.py ASSETS OUT MODE
 """
@@ -27,8 +28,10 @@ trainer = Trainer(model=model, args=args, train_dataset=data,
 trainer.train()
 logs = [h for h in trainer.state.log_history if "loss" in h]
 params = torch.cat([p.detach().flatten() for p in model.parameters()]).double()
-print("RESULT " + json.dumps({"rank": int(os.environ.get("RANK", 0)), "world": dist.get_world_size() if
-                              dist.is_initialized() else 1, "losses": [h["loss"] for h in logs],
-                              "keeps": [h.get("attnstash/keeps") for h in logs],
-                              "replays": [h.get("attnstash/replays") for h in logs],
-                              "params": [params.sum().item(), params.abs().sum().item()]}), flush=True)
+rank = int(os.environ.get("RANK", 0))
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
+    json.dump({"rank": rank, "world": dist.get_world_size() if dist.is_initialized() else 1,
+               "losses": [h["loss"] for h in logs], "keeps": [h.get("attnstash/keeps") for h in logs],
+               "replays": [h.get("attnstash/replays") for h in logs],
+               "params": [params.sum().item(), params.abs().sum().item()]}, f)
