@@ -30,6 +30,12 @@ EXAMPLES = {  # bf16, batch 4, seq 4096, cuDNN: output + LSE [B, H, S, 1] fp32 +
     "Mistral-7B-v0.3.json": (32, 4 * 32 * 4096 * 128 * 2 + 4 * 32 * 4096 * 4 + 16),
     "Qwen2.5-7B.json": (28, 4 * 28 * 4096 * 128 * 2 + 4 * 28 * 4096 * 4 + 16),
 }
+# A diffusers transformer: Wan2.1-T2V-14B at 81 frames of 480x832 (latent 21 x 60 x 104, patch 1x2x2:
+# 32,760 tokens) and 512 text tokens, bf16, cuDNN: each block keeps its self- and its cross-attention.
+WAN = "Wan2.1-T2V-14B-transformer.json"
+WAN_ARGS = ("--batch", "1", "--latent-frames", "21", "--latent-height", "60", "--latent-width", "104",
+            "--text-len", "512")
+WAN_BLOCKS, WAN_PER_BLOCK = 40, 2 * (40 * 32760 * 128 * 2 + 40 * 32760 * 4 + 16)
 
 
 def run_main(capsys, *argv):
@@ -38,7 +44,16 @@ def run_main(capsys, *argv):
 
 
 def test_the_example_configs_are_shipped():
-    assert sorted(os.listdir(CONFIGS)) == sorted(EXAMPLES)
+    assert sorted(os.listdir(CONFIGS)) == sorted([*EXAMPLES, WAN])
+
+
+def test_the_command_plans_the_diffusers_example_config(capsys):
+    out = run_main(capsys, os.path.join(CONFIGS, WAN), *WAN_ARGS, "--dtype", "bf16", "--backend", "cudnn",
+                   "--max-bytes", "8GiB")
+    assert "[1, 40, 32760, 128]  [1, 40, 512, 128]" in out  # the cross-attention reads the text
+    assert f"{WAN_PER_BLOCK:,}" in out and WAN_PER_BLOCK == 681_408_032
+    assert f"all {WAN_BLOCKS} attention layers stashed: {WAN_BLOCKS * WAN_PER_BLOCK:,} bytes" in out
+    assert f"the last {8 * 2**30 // WAN_PER_BLOCK} of {WAN_BLOCKS} attention layers fit" in out
 
 
 @pytest.mark.parametrize("name", list(EXAMPLES))
