@@ -63,7 +63,9 @@ rc=0
 for release in "${RELEASES[@]}"; do
   log=$OUT/$release.log
   echo "== transformers $release"
-  if ! "$VENV/bin/python" -m pip install --quiet "transformers==$release" > "$log" 2>&1; then
+  # (with datasets and huggingface_hub, so that pip moves them to releases that go with this one:
+  # transformers 4.57 needs huggingface_hub < 1, which the newest datasets does not take)
+  if ! "$VENV/bin/python" -m pip install --quiet "transformers==$release" datasets huggingface_hub > "$log" 2>&1; then
     record "$release" "| $release | install failed (see $release.log) |"; rc=1; continue
   fi
   start=$(date +%s)
