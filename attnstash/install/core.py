@@ -263,21 +263,29 @@ class LayerForward:
 
 
 def _reached_by_checkpoint_function(stash, layer, forward, args, kwargs):
-    """A training forward of a layer that its own checkpoint function checkpoints, seen from
-    outside the checkpoint: its frames come from its Run, which the forward must reach."""
+    """A forward of a layer that its own checkpoint function checkpoints, seen from outside that
+    function (no Run of it is active): its frames come from its Run, which a training forward
+    must reach. A reentrant first forward runs without grad, where this cannot be told from a
+    no-grad forward; its recompute, which runs in backward with grad and without a Run, can."""
+    if in_backward() and torch.is_grad_enabled():
+        raise _unreached(stash, layer, "its recompute ran")
     if not torch.is_grad_enabled() or in_backward():
         return forward(*args, **kwargs)
     reached = _reached()
     before = reached.get(stash.slot_base, 0)
     out = forward(*args, **kwargs)
     if reached.get(stash.slot_base, 0) == before:
-        raise CheckpointingError(
-            f"attnstash: {stash.name}: its training forward ran with gradient_checkpointing on, but without "
-            f"calling its checkpoint function ({type(layer).__name__}._gradient_checkpointing_func), which is where "
-            "attnstash reaches the checkpointed forward; nothing was kept. The library that checkpoints it "
-            f"({_library_of(layer)}) checkpoints its layers another way than the releases attnstash supports "
-            "(README.md, Compatibility).")
+        raise _unreached(stash, layer, "its training forward ran")
     return out
+
+
+def _unreached(stash, layer, what):
+    return CheckpointingError(
+        f"attnstash: {stash.name}: {what} with gradient_checkpointing on, but without calling its checkpoint "
+        f"function ({type(layer).__name__}._gradient_checkpointing_func), which is where attnstash reaches the "
+        "checkpointed forward; nothing was kept. The library that checkpoints it "
+        f"({_library_of(layer)}) checkpoints its layers another way than the releases attnstash supports "
+        "(README.md, Compatibility).")
 
 
 def _library_of(layer):
@@ -402,7 +410,7 @@ def detach(layer):
 
 
 def held_by_layer(stash, held):
-    """(entries, bytes, declined) held for one layer, from ops.held_by_slot()."""
+    """(records, bytes, declined) held for one layer, from ops.held_by_slot()."""
     slots = stash.slots()
     rows = [h for slot, h in held.items() if slot in slots]
     return ops.Held(*(sum(column) for column in zip(*rows))) if rows else ops.Held(0, 0, 0)
