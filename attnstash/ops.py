@@ -35,8 +35,9 @@ def sdpa_fwd_keep(query, key, value, anchor, slot: int, attn_mask=None, dropout_
     What it does depends on where it runs (attnstash decides; see torch_ops/keep_replay.h):
     in a reentrant checkpoint's first forward (grad off, anchor requires grad) or a
     non-reentrant one's (grad on, under the checkpoint's saved-tensor hooks) it runs the
-    forward F.sdpa would run, with its log-sum-exp, and keeps both (over the stash's budget,
-    a declined record instead: that recompute then runs attention as usual); in the
+    forward F.sdpa would run, with its log-sum-exp, and keeps both (or a declined record where
+    the budget has no room, csrc/stash_registry.h, Budget: that recompute then runs attention
+    as usual); in the
     recompute (grad on, inside backward) it returns the kept output through a node whose
     backward is PyTorch's own derivative; anywhere else (an empty input included) it is
     exactly F.scaled_dot_product_attention and keeps nothing. Under torch.autocast it casts
@@ -67,7 +68,7 @@ def sdpa_replay(query, key, value, anchor, slot: int, attn_mask=None, dropout_p:
 
 def stash_stats() -> dict:
     """The process-wide stash's counters, by name (csrc/stash_registry.h defines them):
-    entries, bytes, peak_bytes, max_bytes (-1: no budget), keeps, declined, replays,
+    records, bytes, peak_bytes, max_bytes (-1: no budget), keeps, declined, replays,
     misses, released_unused. stash_stats_meanings() says what each one counts."""
     return dict(_ops.stash_stats())
 
@@ -97,13 +98,13 @@ def set_max_bytes(max_bytes: int) -> None:
 class Held(NamedTuple):
     """What the stash holds for one slot (or one layer): records, bytes, and how many of
     those records are declined (held without bytes: their recompute runs attention)."""
-    entries: int
+    records: int
     bytes: int
     declined: int
 
 
 def held_by_slot() -> dict:
-    """{slot: Held(entries, bytes, declined)} for every slot that holds something."""
+    """{slot: Held(records, bytes, declined)} for every slot that holds something."""
     flat = _ops.stash_held_by_slot()
     return {flat[i]: Held(*flat[i + 1:i + 4]) for i in range(0, len(flat), 4)}
 

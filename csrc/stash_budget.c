@@ -1,18 +1,18 @@
-/* stash_budget.c: making room under the budget (stash_registry.h, Budget): the oldest
- * kept records that can be demoted become declined ones, all or nothing. */
+/* stash_budget.c: making room under the budget, by the rule of stash_registry.h (Budget). */
 #define _POSIX_C_SOURCE 200809L
 
 #include "stash_internal.h"
 
 #include <stdlib.h>
 
-int registry_make_room(stash_registry *r, size_t bytes, demoted_payload **to_release) {
+stash_status registry_make_room(stash_registry *r, size_t bytes, demoted_payload **to_release) {
   stash_stats *s = &r->stats;
-  if (bytes > s->max_bytes) return 0;
+  if (bytes > s->max_bytes) return STASH_ERR_BUDGET;
   uint64_t room_needed = s->bytes > s->max_bytes - bytes ? s->bytes - (s->max_bytes - bytes) : 0;
-  if (room_needed == 0) return 1;
-  /* The victims, oldest first, until they free enough (a record is picked once: its id
-   * is taken out of the running by the `after` bound). */
+  if (room_needed == 0) return STASH_OK;
+  /* The victims in the rule's order, until they free enough (a record is picked once: its
+   * id is taken out of the running by the `after` bound). */
+  stash_status status = STASH_OK;
   size_t count = 0, capacity = 0;
   stash_node **victims = NULL;
   uint64_t freed = 0, after = 0;
@@ -30,22 +30,25 @@ int registry_make_room(stash_registry *r, size_t bytes, demoted_payload **to_rel
     if (count == capacity) {
       capacity = capacity ? capacity * 2 : 8;
       stash_node **grown = realloc(victims, capacity * sizeof *victims);
-      if (grown == NULL) break;
+      if (grown == NULL) {
+        status = STASH_ERR_NOMEM;
+        break;
+      }
       victims = grown;
     }
     victims[count++] = oldest;
     freed += oldest->entry.bytes;
     after = oldest->id;
   }
-  int ok = freed >= room_needed;
+  if (status == STASH_OK && freed < room_needed) status = STASH_ERR_BUDGET;
   /* Stand-ins first, all of them, before anything changes. */
   demoted_payload *made = NULL;
-  for (size_t i = 0; ok && i < count; ++i) {
+  for (size_t i = 0; status == STASH_OK && i < count; ++i) {
     demoted_payload *d = malloc(sizeof *d);
     void *stand_in = d != NULL ? victims[i]->entry.demote(victims[i]->entry.payload) : NULL;
     if (stand_in == NULL) {
+      status = d == NULL ? STASH_ERR_NOMEM : STASH_ERR_BUDGET; /* a record that cannot be demoted */
       free(d);
-      ok = 0;
       break;
     }
     d->entry = victims[i]->entry;
@@ -53,7 +56,7 @@ int registry_make_room(stash_registry *r, size_t bytes, demoted_payload **to_rel
     d->next = made;
     made = d;
   }
-  if (!ok) { /* nothing changes; the stand-ins made in vain are released after unlocking */
+  if (status != STASH_OK) { /* nothing changes; the stand-ins made in vain are released after unlocking */
     while (made != NULL) {
       demoted_payload *next = made->next;
       made->next = *to_release;
@@ -61,7 +64,7 @@ int registry_make_room(stash_registry *r, size_t bytes, demoted_payload **to_rel
       made = next;
     }
     free(victims);
-    return 0;
+    return status;
   }
   /* `made` lists the stand-ins in reverse order of victims. */
   for (size_t i = count; i-- > 0;) {
@@ -80,7 +83,7 @@ int registry_make_room(stash_registry *r, size_t bytes, demoted_payload **to_rel
     victim->declined = 1;
   }
   free(victims);
-  return 1;
+  return STASH_OK;
 }
 
 void registry_release_demoted(demoted_payload *demoted) {

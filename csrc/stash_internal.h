@@ -21,7 +21,7 @@ struct stash_registry {
   stash_node **buckets;
   size_t bucket_count; /* always a power of two */
   uint64_t next_id;
-  stash_stats stats;   /* entries doubles as the table's size */
+  stash_stats stats;   /* records doubles as the table's size */
 };
 
 /* How a predicate or visitor sees a node. */
@@ -33,11 +33,12 @@ typedef struct demoted_payload {
   stash_entry entry;
 } demoted_payload;
 
-/* Makes room for `bytes` more under the budget by demoting the oldest demotable records,
- * with the lock held. All or nothing: returns 0, changing nothing, if that cannot make
- * room (or memory runs out). The payloads to release after unlocking (those the demoted
- * records held; on failure, the stand-ins made in vain) are chained onto *to_release. */
-int registry_make_room(stash_registry *r, size_t bytes, demoted_payload **to_release);
+/* Makes room for `bytes` more under the budget by demoting records (stash_registry.h,
+ * Budget), with the lock held. All or nothing: on failure nothing changes, and it returns
+ * STASH_ERR_BUDGET (demoting cannot make room) or STASH_ERR_NOMEM. The payloads to release
+ * after unlocking (those the demoted records held; on failure, the stand-ins made in vain)
+ * are chained onto *to_release. */
+stash_status registry_make_room(stash_registry *r, size_t bytes, demoted_payload **to_release);
 
 /* Outside the lock: releases the registry's references to the demoted payloads. */
 void registry_release_demoted(demoted_payload *demoted);

@@ -108,24 +108,25 @@ static stash_status store(stash_registry *r, const stash_key *key, stash_entry e
     pthread_mutex_unlock(&r->mutex);
     return STASH_ERR_NOMEM;
   }
-  if (!declined && !registry_make_room(r, entry.bytes, &demoted)) {
+  stash_status room = declined ? STASH_OK : registry_make_room(r, entry.bytes, &demoted);
+  if (room != STASH_OK) {
     pthread_mutex_unlock(&r->mutex);
     free(node);
     registry_release_demoted(demoted); /* the stand-ins made in vain, if any */
-    return STASH_ERR_BUDGET;
+    return room;
   }
   node->key = *key;
   node->entry = entry;
   node->id = r->next_id++;
   node->refs = 1;
   node->declined = declined;
-  /* Grow past a load factor of 3/4 (entries / buckets), before linking. */
-  if (s->entries + 1 > r->bucket_count / 4 * 3) try_grow(r);
+  /* Grow past a load factor of 3/4 (records / buckets), before linking. */
+  if (s->records + 1 > r->bucket_count / 4 * 3) try_grow(r);
   stash_node **head = &r->buckets[bucket_of(key->anchor, r->bucket_count)];
   node->next = *head;
   *head = node;
 
-  s->entries += 1;
+  s->records += 1;
   s->bytes += entry.bytes;
   if (s->bytes > s->peak_bytes) s->peak_bytes = s->bytes;
   if (declined) {
@@ -151,7 +152,7 @@ static stash_node *drop_one(stash_registry *r, stash_node **link) {
     return NULL;
   }
   *link = node->next;
-  r->stats.entries -= 1;
+  r->stats.records -= 1;
   r->stats.bytes -= node->entry.bytes;
   return node;
 }
@@ -185,7 +186,7 @@ static stash_status release_matching(stash_registry *r, stash_predicate_fn predi
       *link = node->next;
       node->next = unlinked;
       unlinked = node;
-      r->stats.entries -= 1;
+      r->stats.records -= 1;
       r->stats.bytes -= node->entry.bytes;
       r->stats.released_unused += node->refs;
       count += 1;
@@ -233,7 +234,7 @@ stash_status stash_registry_create(stash_registry **out) {
 
 void stash_registry_destroy(stash_registry *registry) {
   if (registry == NULL) return;
-  /* A release callback may keep new entries while we clear; clear again until
+  /* A release callback may keep new records while we clear; clear again until
    * a pass drops nothing, so that nothing is left behind to leak. (A callback
    * that keeps a new entry on every release would never let this end.) */
   size_t released = 0;
@@ -298,7 +299,7 @@ stash_status stash_take(stash_registry *registry, const stash_key *key, uint64_t
   int whole = node->refs == 1;
   if (whole) {
     *link = node->next;
-    registry->stats.entries -= 1;
+    registry->stats.records -= 1;
     registry->stats.bytes -= node->entry.bytes;
   } else {
     node->refs -= 1;

@@ -10,6 +10,8 @@
  *   key       (anchor, version, shape, slot).
  *   entry     what the caller hands the registry to hold: a payload pointer, its size in
  *             bytes and its callbacks (retain, release, demote).
+ *   payload   what an entry points to, opaque here (in C++, a Payload: the attention call and
+ *             the record's state, torch_ops/records.h).
  *   record    what the registry holds under a key: an entry, an id, and a count of the
  *             forwards that share it. A record is kept or declined.
  *   kept      a record that holds its bytes (the attention output and log-sum-exp).
@@ -43,7 +45,10 @@
  * keep returns STASH_ERR_BUDGET; the caller may then store a declined record with
  * stash_decline. Lowering the budget below the bytes held changes no record: the next
  * keep demotes, or is refused, by the same rule. This is the one statement of the budget
- * rule; every other place points here.
+ * rule; every other place points here. What relies on it: the planner's and the benchmark's
+ * "the last n layers that fit" (attnstash/planner/results.py, layers_within;
+ * attnstash/bench/harness.py, predicted_bytes), tests/python/test_budget.py and
+ * tests/cpp/test_registry_demotion*.cpp with the reference model in tests/cpp/registry_model.cpp.
  *
  * Keys: a key's `shape` holds rank sizes (rank 0..STASH_MAX_RANK; a larger rank is an
  * error, never a truncation).
@@ -99,7 +104,7 @@ typedef struct stash_record {
 /* The counters, each with its meaning: the one list that every layer above reads
  * (C++ names them from it, Python gets them as a dict). X(name, "meaning"). */
 #define STASH_STATS_FIELDS(X)                                                                      \
-  X(entries, "records held now (forwards that repeat one another share one)")                      \
+  X(records, "records held now (forwards that repeat one another share one)")                      \
   X(bytes, "bytes held now")                                                                       \
   X(peak_bytes, "most bytes held at once since the stash was created or its peak was reset")       \
   X(max_bytes, "the budget: most bytes held at once (none: UINT64_MAX in C, -1 in C++ and Python)") \

@@ -110,7 +110,7 @@ bool same_scale(std::optional<double> a, std::optional<double> b) {
 }
 
 // Why `c` is not the call that kept `e`, or nothing if it is.
-std::optional<std::string> call_difference(const SdpaCall& c, const Record& record, bool check_backend) {
+std::optional<std::string> call_difference(const SdpaCall& c, const Payload& record, bool check_backend) {
   const CallSignature& e = record.call;
   auto differs = [](const char* what, const std::string& kept, const std::string& now) {
     return c10::str("the recompute's ", what, " (", now, ") differs from its first forward's (", kept, ")");
@@ -178,7 +178,7 @@ std::optional<std::string> call_difference(const SdpaCall& c, const Record& reco
 }
 
 // Fails unless `c` repeats the call that kept `e`. `released`: what became of the record.
-void check_same_call(const SdpaCall& c, const Record& e, bool check_backend, const char* op, const char* released) {
+void check_same_call(const SdpaCall& c, const Payload& e, bool check_backend, const char* op, const char* released) {
   if (auto why = call_difference(c, e, check_backend))
     TORCH_CHECK(false, "attnstash::", op, ": ", *why, ", so the kept output cannot stand in for it. The recompute "
                 "must repeat the first forward's attention call exactly; ", released, ".");
@@ -187,7 +187,7 @@ void check_same_call(const SdpaCall& c, const Record& e, bool check_backend, con
 // Whether a forward that computed `fresh` (a kept record) for call `c` can share the record
 // `held`: the same call, and bitwise the same attention (a declined or demoted record holds
 // none: its recomputes each run their own forward).
-bool interchangeable(const SdpaCall& c, const Record& fresh, const Record& held) {
+bool interchangeable(const SdpaCall& c, const Payload& fresh, const Payload& held) {
   if (fresh.call.non_reentrant != held.call.non_reentrant || fresh.call.backend != held.call.backend) return false;
   if (call_difference(c, held, /*check_backend=*/false)) return false;
   const Kept* b = held.kept();
@@ -248,7 +248,7 @@ KeptForward keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t sl
   check_keepable(c, op);
   const SdpaBackend& backend = backend_for_keep(c, op);
 
-  auto record = c10::make_intrusive<Record>();
+  auto record = c10::make_intrusive<Payload>();
   CallSignature& call = record->call;
   call.backend = &backend;
   call.query = TensorMeta::of(c.query);
@@ -275,12 +275,12 @@ KeptForward keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t sl
     // two recomputes cannot be told apart, so they may share one record only if either
     // could take it. A record left by a freed anchor at this address is dropped instead.
     records::Taken held = records::peek(kept.key);
-    if (held.record && !kept_for(*held.record, anchor)) {
+    if (held.payload && !kept_for(*held.payload, anchor)) {
       records::release_stale(kept.key);
       stored = records::store(kept.key, record);
-    } else if (held.record && interchangeable(c, *record, *held.record) && records::share(kept.key, held.id)) {
+    } else if (held.payload && interchangeable(c, *record, *held.payload) && records::share(kept.key, held.id)) {
       // (Sharing a demoted record: this forward's node saves what one kept would.)
-      stored = records::Stored{held.id, node_saves_output(*held.record), false};
+      stored = records::Stored{held.id, node_saves_output(*held.payload), false};
     }
     TORCH_CHECK(!stored.duplicate, "attnstash::", op, ": this anchor (", anchor_str(anchor), ") already went through "
                 "this attention (slot ", slot, ") in a forward whose recompute has not come yet, with a different "
@@ -295,11 +295,11 @@ KeptForward keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t sl
   return kept;
 }
 
-RecordPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t slot, bool check_backend) {
+PayloadPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t slot, bool check_backend) {
   const char* op = "sdpa_replay";
   records::release_freed();
   stash_key key = key_of(anchor, slot, op);
-  RecordPtr e = records::take(key, 0).record;  // ours now: a failed check releases it with e
+  PayloadPtr e = records::take(key, 0).payload;  // ours now: a failed check releases it with e
   TORCH_CHECK(!e || kept_for(*e, anchor), "attnstash::", op, ": nothing is kept for this anchor (",
               anchor_str(anchor), ", slot ", slot, "): the output kept at its address belonged to an earlier tensor "
               "that has been freed. The recompute must receive the same anchor tensor (or a detached alias of it) "
@@ -327,9 +327,9 @@ RecordPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t s
               "either.");
 }
 
-RecordPtr take_owned(const SdpaCall& c, RecordOwner& owner) {
+PayloadPtr take_owned(const SdpaCall& c, RecordOwner& owner) {
   const char* op = "sdpa_fwd_keep";
-  RecordPtr e = records::take(owner.key, owner.id).record;
+  PayloadPtr e = records::take(owner.key, owner.id).payload;
   TORCH_CHECK(e, "attnstash::", op, ": the output this forward kept (slot ", owner.key.slot, ") is gone: the stash "
               "was cleared (attnstash.stash_clear()), or this is a second backward through the same forward "
               "(retain_graph=True), which a kept output cannot serve.");
@@ -339,18 +339,18 @@ RecordPtr take_owned(const SdpaCall& c, RecordOwner& owner) {
   return e;
 }
 
-bool node_saves_output(const Record& record) { return std::holds_alternative<Declined>(record.state); }
+bool node_saves_output(const Payload& record) { return std::holds_alternative<Declined>(record.state); }
 
 bool held_by_non_reentrant(const at::Tensor& anchor, int64_t slot) {
   records::Taken held = records::peek(key_of(anchor, slot, "sdpa_fwd_keep"));
-  return held.record && held.record->call.non_reentrant && kept_for(*held.record, anchor);
+  return held.payload && held.payload->call.non_reentrant && kept_for(*held.payload, anchor);
 }
 
-RecordPtr peek_for_recompute(const SdpaCall& c, const at::Tensor& anchor, int64_t slot) {
+PayloadPtr peek_for_recompute(const SdpaCall& c, const at::Tensor& anchor, int64_t slot) {
   records::Taken held = records::peek(key_of(anchor, slot, "sdpa_fwd_keep"));
-  if (!held.record || !held.record->call.non_reentrant || !kept_for(*held.record, anchor)) return RecordPtr();
-  check_same_call(c, *held.record, /*check_backend=*/true, "sdpa_fwd_keep", "the kept output is still held");
-  return held.record;
+  if (!held.payload || !held.payload->call.non_reentrant || !kept_for(*held.payload, anchor)) return PayloadPtr();
+  check_same_call(c, *held.payload, /*check_backend=*/true, "sdpa_fwd_keep", "the kept output is still held");
+  return held.payload;
 }
 
 }  // namespace attnstash

@@ -54,7 +54,7 @@ struct KeptForward {
 // F.sdpa's own node does): for a record Declined when stored. Otherwise it saves query, key,
 // value and mask only (Kept: the output is in the stash; Demoted: the recompute leaves it in
 // the record).
-bool node_saves_output(const Record& record);
+bool node_saves_output(const Payload& record);
 
 // Run the forward F.sdpa would run, with its log-sum-exp, and keep it for (anchor, slot),
 // or a declined record if the budget has no room. Fails clearly (PyTorch's own error for
@@ -65,11 +65,11 @@ KeptForward keep_forward(const SdpaCall& call, const at::Tensor& anchor, int64_t
 
 // Take the recompute's record for (anchor, slot) and check that this call repeats its
 // first forward. `check_backend`: also that PyTorch would still choose the kept backend.
-RecordPtr take_for_replay(const SdpaCall& call, const at::Tensor& anchor, int64_t slot, bool check_backend = true);
+PayloadPtr take_for_replay(const SdpaCall& call, const at::Tensor& anchor, int64_t slot, bool check_backend = true);
 
 // Take the record `owner` holds for its forward (a non-reentrant node's backward) and
 // check the call against it.
-RecordPtr take_owned(const SdpaCall& call, RecordOwner& owner);
+PayloadPtr take_owned(const SdpaCall& call, RecordOwner& owner);
 
 // Whether the record held for (anchor, slot) was kept by a non-reentrant first forward.
 bool held_by_non_reentrant(const at::Tensor& anchor, int64_t slot);
@@ -77,6 +77,6 @@ bool held_by_non_reentrant(const at::Tensor& anchor, int64_t slot);
 // The entry held for (anchor, slot) by a non-reentrant first forward, checked against this
 // call and left held (a non-reentrant recompute only refills what its node saved), or null
 // if the record there was kept by a reentrant forward.
-RecordPtr peek_for_recompute(const SdpaCall& call, const at::Tensor& anchor, int64_t slot);
+PayloadPtr peek_for_recompute(const SdpaCall& call, const at::Tensor& anchor, int64_t slot);
 
 }  // namespace attnstash

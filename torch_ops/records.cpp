@@ -22,16 +22,16 @@ stash_registry* registry() {
   return reg;
 }
 
-// The registry's payload callbacks: one reference of a Record ...
-void retain_record(void* payload) { c10::raw::intrusive_ptr::incref(static_cast<Record*>(payload)); }
-void release_record(void* payload) { c10::raw::intrusive_ptr::decref(static_cast<Record*>(payload)); }
+// The registry's payload callbacks: one reference of a Payload ...
+void retain_payload(void* payload) { c10::raw::intrusive_ptr::incref(static_cast<Payload*>(payload)); }
+void release_payload(void* payload) { c10::raw::intrusive_ptr::decref(static_cast<Payload*>(payload)); }
 
 // ... and its demoted stand-in, when the budget needs its room: the call it was kept for, in
 // the Demoted state (a new object: whoever holds the kept one keeps it whole).
-void* demote_record(void* payload) noexcept {
+void* demote_payload(void* payload) noexcept {
   try {
-    const auto& kept = *static_cast<const Record*>(payload);
-    auto stand_in = c10::make_intrusive<Record>();
+    const auto& kept = *static_cast<const Payload*>(payload);
+    auto stand_in = c10::make_intrusive<Payload>();
     stand_in->call = kept.call;
     stand_in->state = Demoted{kept.call.non_reentrant ? std::make_shared<Demoted::Refill>() : nullptr};
     return stand_in.release();  // the registry's reference
@@ -62,10 +62,10 @@ void release_records_if(F f) {
       &f, nullptr);
 }
 
-const Record& record_of(const stash_record& r) { return *static_cast<const Record*>(r.entry->payload); }
+const Payload& payload_of(const stash_record& r) { return *static_cast<const Payload*>(r.entry->payload); }
 
-stash_entry entry_for(const RecordPtr& record) {
-  return stash_entry{record.get(), record->bytes(), retain_record, release_record, demote_record};
+stash_entry entry_for(const PayloadPtr& payload) {
+  return stash_entry{payload.get(), payload->bytes(), retain_payload, release_payload, demote_payload};
 }
 
 std::string shape_str(const stash_key& k) {
@@ -84,7 +84,7 @@ std::string TensorMeta::str() const {
   return s.str();
 }
 
-size_t Record::bytes() const {
+size_t Payload::bytes() const {
   const Kept* k = kept();
   if (k == nullptr) return 0;
   size_t n = k->attention.output.nbytes() + k->attention.logsumexp.nbytes();
@@ -105,25 +105,25 @@ stash_key key_of(const at::Tensor& anchor, int64_t slot, const char* op) {
   return key;
 }
 
-bool kept_for(const Record& record, const at::Tensor& anchor) {
-  auto alive = record.call.anchor_storage.lock();
+bool kept_for(const Payload& payload, const at::Tensor& anchor) {
+  auto alive = payload.call.anchor_storage.lock();
   return alive && alive.get() == anchor.storage().unsafeGetStorageImpl();
 }
 
 namespace records {
 
-Stored store(const stash_key& key, const RecordPtr& record) {
+Stored store(const stash_key& key, const PayloadPtr& payload) {
   Stored stored;
-  // The registry's reference, made before the record can be seen (and taken) by another
-  // thread; released by release_record, or below if nothing was stored.
-  c10::raw::intrusive_ptr::incref(record.get());
-  stash_status s = stash_keep(registry(), &key, entry_for(record), &stored.id);
+  // The registry's reference, made before the payload can be seen (and taken) by another
+  // thread; released by release_payload, or below if nothing was stored.
+  c10::raw::intrusive_ptr::incref(payload.get());
+  stash_status s = stash_keep(registry(), &key, entry_for(payload), &stored.id);
   if (s == STASH_ERR_BUDGET) {  // keep only what the recompute needs to run the forward and check its call
-    record->state = Declined{};
+    payload->state = Declined{};
     stored.declined = true;
-    s = stash_decline(registry(), &key, entry_for(record), &stored.id);
+    s = stash_decline(registry(), &key, entry_for(payload), &stored.id);
   }
-  if (s != STASH_OK) c10::raw::intrusive_ptr::decref(record.get());
+  if (s != STASH_OK) c10::raw::intrusive_ptr::decref(payload.get());
   if (s == STASH_ERR_DUPLICATE) {
     stored.duplicate = true;
     stored.id = 0;
@@ -139,14 +139,14 @@ Taken take(const stash_key& key, uint64_t id) {
   stash_entry e{};
   Taken taken;
   if (stash_take(registry(), &key, id, &e, &taken.id, nullptr) == STASH_OK)
-    taken.record = RecordPtr::reclaim(static_cast<Record*>(e.payload));  // the reference handed to us
+    taken.payload = PayloadPtr::reclaim(static_cast<Payload*>(e.payload));  // the reference handed to us
   return taken;
 }
 
 Taken peek(const stash_key& key) {
   Taken found;
   peek_record(key, [&](const stash_record& r) {
-    found.record = RecordPtr::unsafe_reclaim_from_nonowning(static_cast<Record*>(r.entry->payload));
+    found.payload = PayloadPtr::unsafe_reclaim_from_nonowning(static_cast<Payload*>(r.entry->payload));
     found.id = r.id;
   });
   return found;
@@ -155,7 +155,7 @@ Taken peek(const stash_key& key) {
 bool release(int64_t id) { return id > 0 && stash_release_id(registry(), static_cast<uint64_t>(id)) == STASH_OK; }
 
 void release_freed() {
-  release_records_if([](const stash_record& r) { return record_of(r).call.anchor_storage.expired(); });
+  release_records_if([](const stash_record& r) { return payload_of(r).call.anchor_storage.expired(); });
 }
 
 std::vector<std::pair<int64_t, std::string>> release_stale(const stash_key& key) {
@@ -204,17 +204,17 @@ void set_max_bytes(int64_t max_bytes) {
 
 std::vector<int64_t> held_by_slot() {
   struct Held {
-    int64_t entries = 0, bytes = 0, declined = 0;
+    int64_t records = 0, bytes = 0, declined = 0;
   };
   std::map<int64_t, Held> by_slot;
   visit_records([&](const stash_record& r) {
     Held& held = by_slot[r.key->slot];
-    held.entries += 1;
+    held.records += 1;
     held.bytes += static_cast<int64_t>(r.entry->bytes);
     held.declined += r.declined ? 1 : 0;
   });
   std::vector<int64_t> flat;
-  for (const auto& [slot, held] : by_slot) flat.insert(flat.end(), {slot, held.entries, held.bytes, held.declined});
+  for (const auto& [slot, held] : by_slot) flat.insert(flat.end(), {slot, held.records, held.bytes, held.declined});
   return flat;
 }
 
@@ -228,7 +228,7 @@ int64_t record_id(const at::Tensor& anchor, int64_t slot) {
   stash_key key = key_of(anchor, slot, "stash_record_id");
   int64_t id = 0;
   peek_record(key, [&](const stash_record& r) {
-    if (kept_for(record_of(r), anchor)) id = static_cast<int64_t>(r.id);
+    if (kept_for(payload_of(r), anchor)) id = static_cast<int64_t>(r.id);
   });
   return id;
 }

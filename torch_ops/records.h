@@ -1,6 +1,6 @@
 // records.h: the C++ side of the stash. Adapts the C registry (csrc/stash_registry.h: its
-// words, record, kept, declined, demoted, slot, anchor, are used here in the same sense) to
-// tensors: one process-wide registry whose entries' payloads are Records.
+// words, entry, payload, record, kept, declined, demoted, slot, anchor, are used here in the
+// same sense) to tensors: one process-wide registry whose entries' payloads are Payloads.
 #pragma once
 
 #include "sdpa_backend.h"
@@ -74,23 +74,23 @@ struct Demoted {     // demoted after it was kept (the registry's Budget)
 };
 using RecordState = std::variant<Kept, Declined, Demoted>;
 
-// The payload of one record: everything a first forward leaves for its recompute.
+// The payload of one record (its entry's): everything a first forward leaves for its recompute.
 // Reference-counted: forwards that repeat one another (the same anchor, bitwise the same
 // attention) share one record.
-struct Record : c10::intrusive_ptr_target {
+struct Payload : c10::intrusive_ptr_target {
   CallSignature call;
   RecordState state;
 
   const Kept* kept() const { return std::get_if<Kept>(&state); }
   size_t bytes() const;  // what the registry counts for it: a kept record's tensors
 };
-using RecordPtr = c10::intrusive_ptr<Record>;
+using PayloadPtr = c10::intrusive_ptr<Payload>;
 
 // The registry key of (anchor, slot): its data pointer, version and shape, and the slot.
 stash_key key_of(const at::Tensor& anchor, int64_t slot, const char* op);
 
-// Whether `record` was kept for this very anchor tensor (not a freed one at the same address).
-bool kept_for(const Record& record, const at::Tensor& anchor);
+// Whether `payload` was kept for this very anchor tensor (not a freed one at the same address).
+bool kept_for(const Payload& payload, const at::Tensor& anchor);
 
 // The registry, as the ops use it. (Named apart from the C API's stash_* functions.)
 namespace records {
@@ -104,14 +104,14 @@ struct Stored {
 
 // Store a kept record under `key`; when the budget has no room for it, make it Declined
 // (dropping its tensors) and store that.
-Stored store(const stash_key& key, const RecordPtr& record);
+Stored store(const stash_key& key, const PayloadPtr& payload);
 
 // One more forward shares the record `id` under `key`; false if it is gone.
 bool share(const stash_key& key, uint64_t id);
 
-// A record taken back: one reference to it, and its id.
+// A record taken back: one reference to its payload, and its id.
 struct Taken {
-  RecordPtr record;  // null: nothing was held (a miss)
+  PayloadPtr payload;  // null: nothing was held (a miss)
   uint64_t id = 0;
 };
 

@@ -19,8 +19,8 @@ TORCH_LIBRARY(attnstash, m) {
   m.set_python_module("attnstash.ops");
 
   // F.scaled_dot_product_attention that, in an activation checkpoint's first forward,
-  // keeps its output and log-sum-exp for (anchor, slot) (or, over the budget, a declined
-  // record), and in the recompute hands them back instead of running attention:
+  // keeps its output and log-sum-exp for (anchor, slot) (or a declined record where the budget
+  // has no room: csrc/stash_registry.h, Budget), and in the recompute hands them back instead of running attention:
   // reentrant checkpointing (first forward: grad off) and non-reentrant checkpointing
   // (first forward: grad on, under the checkpoint's saved-tensor hooks) alike. Anywhere
   // else it is exactly F.sdpa and keeps nothing.
@@ -57,15 +57,18 @@ TORCH_LIBRARY(attnstash, m) {
   m.def("stash_clear() -> int", &attnstash::records::clear);
   // Sets peak_bytes to the bytes held now.
   m.def("stash_reset_peak() -> ()", &attnstash::records::reset_peak);
-  // Sets the budget: the most bytes the stash holds at once (negative: no budget). A keep
-  // that would pass it is declined: that layer's recompute runs attention as usual.
+  // Sets the budget: the most bytes the stash holds at once (negative: no budget); what it
+  // does: csrc/stash_registry.h, Budget.
   m.def("stash_set_max_bytes(int max_bytes) -> ()", &attnstash::records::set_max_bytes);
-  // [slot, entries, bytes, declined entries] for each slot that holds something.
+  // [slot, records, bytes, declined records] for each slot that holds something.
   m.def("stash_held_by_slot() -> int[]", &attnstash::records::held_by_slot);
   // The ids of every record held now.
   m.def("stash_held_ids() -> int[]", &attnstash::records::held_ids);
   // The id of the record held for (anchor, slot), 0 if none: what a forward's owner holds.
   m.def("stash_record_id(Tensor anchor, int slot) -> int", &attnstash::records::record_id);
+  // "device:SDPBackend value:name" for every kept backend (torch_ops/backends/): the table
+  // attnstash/backends.py's KEPT_BACKENDS must match (tests/python/test_package.py checks it).
+  m.def("stash_kept_backends() -> str[]", &attnstash::kept_backend_rows);
   // Releases one forward's reference of record `id` (its graph was dropped without a
   // backward); whether it was held.
   m.def("stash_release(int id) -> bool", &attnstash::records::release);

@@ -113,7 +113,7 @@ struct NonReentrantKeepFunction : public torch::autograd::Function<NonReentrantK
     bool fresh = false;        // the attention was computed here, not taken from the stash
     bool saves_output = false;
     if (recompute) {
-      RecordPtr held = peek_for_recompute(call, anchor, slot);
+      PayloadPtr held = peek_for_recompute(call, anchor, slot);
       TORCH_CHECK(held, "attnstash::sdpa_fwd_keep: the output kept for this anchor and slot ", slot,
                   " disappeared during its recompute (was the stash cleared from another thread?).");
       saves_output = node_saves_output(*held);
@@ -154,7 +154,7 @@ struct NonReentrantKeepFunction : public torch::autograd::Function<NonReentrantK
     variable_list saved = ctx->get_saved_variables();
     SdpaCall call = saved_call(ctx, saved[0], saved[1], saved[2], optional_mask(saved[3]));
     auto owner = c10::static_intrusive_pointer_cast<RecordOwner>(ctx->saved_data["owner"].toCapsule());
-    RecordPtr record = take_owned(call, *owner);
+    PayloadPtr record = take_owned(call, *owner);
     KeptAttention kept;
     if (const Kept* k = record->kept()) {
       kept = k->attention;

@@ -3,13 +3,14 @@
 // A backend is a forward that runs exactly the call F.scaled_dot_product_attention
 // makes for it (always computing the log-sum-exp), and a backward that is exactly
 // the call PyTorch's derivative for that forward makes (tools/autograd/derivatives.yaml).
-// Adding a backend: torch_ops/backends/README.md (one file here, one row in Python).
+// Adding a backend: torch_ops/backends/README.md.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <ATen/SDPBackend.h>  // at::SDPBackend, as at::_fused_sdp_choice returns it
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -61,6 +62,9 @@ const char* sdpa_backend_name(int64_t id);
 // Every backend attnstash can keep: those registered with ATTNSTASH_KEPT_BACKEND
 // (backends/kept_backends.cpp holds the table).
 const std::vector<const SdpaBackend*>& kept_backends();
+
+// kept_backends() as "device:SDPBackend value:name" strings (cpu or cuda), for Python.
+std::vector<std::string> kept_backend_rows();
 
 // The kept backend with this SDPBackend value (as at::_fused_sdp_choice returns it) on
 // this device, or nullptr.

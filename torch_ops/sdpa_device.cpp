@@ -20,7 +20,7 @@ at::Tensor sdpa_fwd_keep_kernel(const at::Tensor& query, const at::Tensor& key, 
 }
 
 // The attention of a taken record: the kept one, or (declined, demoted) the backend's forward run now.
-KeptAttention attention_of(const RecordPtr& e, const SdpaCall& call) {
+KeptAttention attention_of(const PayloadPtr& e, const SdpaCall& call) {
   if (e->kept() == nullptr) return run_forward(*e->call.backend, call);
   KeptAttention kept = e->kept()->attention;
   // Still held by another forward that shares the record: hand out an alias, so that each

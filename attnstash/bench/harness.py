@@ -172,7 +172,7 @@ def check(runs, reference):
             "loss": loss.item(), "loss_equal": torch.equal(loss, baselines[against][0]), "grads_equal": equal,
             "grad_max_rel_diff": worst, "compared_with": against, "peak_bytes": peak,
             "kept_bytes": after["peak_bytes"],
-            "held_after_step": {"entries": after["entries"], "bytes": after["bytes"]},
+            "held_after_step": {"records": after["records"], "bytes": after["bytes"]},
             "held_after_forward": {str(i): list(h) for i, h in during["layers"].items()},
             **{k: after[k] - before[k] for k in ("keeps", "declined", "replays", "misses")}}
         if run.config.plain is None:

@@ -108,8 +108,8 @@ def plot_model(plt, result):
         ax_m.axhline(rows[name]["peak_bytes"] / 1e6, color=color, ls="--", label=f"{name}: peak")
     for r in result["configs"]:
         if r["budget"]:
-            ax_t.scatter([r["replays"]], [r["median_ms"]], marker="D", zorder=3, label=f"budget {r['budget']}")
-            ax_m.scatter([r["replays"]], [r["peak_bytes"] / 1e6], marker="D", zorder=3, label=f"budget {r['budget']}")
+            ax_t.scatter([r["replays"]], [r["median_ms"]], marker="D", zorder=3, label=r["name"])
+            ax_m.scatter([r["replays"]], [r["peak_bytes"] / 1e6], marker="D", zorder=3, label=r["name"])
     for ax, ylabel, title in ((ax_t, "ms", "training step (forward + backward)"),
                               (ax_m, "MB above the step's start", "memory")):
         ax.set(xlabel="stashed layers", ylabel=ylabel, title=title, xticks=ks)

@@ -4,7 +4,7 @@
 installs the stash on a random number of layers, then runs 1 to 4 micro-batches, each trained,
 dropped (a forward whose graph goes without a backward) or no-grad; optionally under a budget
 (--max-bytes: the peak must never pass it) and autocast (--amp). After every step the stash holds
-0 entries and 0 bytes (asserted). RSS per step: the least-squares slope over the second half,
+0 records and 0 bytes (asserted). RSS per step: the least-squares slope over the second half,
 next to what one leaked entry per step would add.
 """
 import dataclasses
@@ -51,8 +51,8 @@ def soak(shape, mode, steps, seed, max_bytes=None):
             held = attnstash.stash_stats()
         finally:
             attnstash.uninstall_attention_stash(model)
-        assert held["entries"] == 0 and held["bytes"] == 0, \
-            f"soak ({mode}) step {step}: the stash still holds {held['entries']} entries, {held['bytes']} bytes"
+        assert held["records"] == 0 and held["bytes"] == 0, \
+            f"soak ({mode}) step {step}: the stash still holds {held['records']} records, {held['bytes']} bytes"
         assert max_bytes is None or held["peak_bytes"] <= max_bytes, \
             f"soak ({mode}) step {step}: the stash held {held['peak_bytes']:,} bytes, over {max_bytes:,}"
         peak = max(peak, held["peak_bytes"])
@@ -64,7 +64,7 @@ def soak(shape, mode, steps, seed, max_bytes=None):
     kinds = [k for entry in log for k in entry["micro_batches"]]
     return {"checkpointing": mode, "steps": steps, "seconds": time.perf_counter() - t0,
             "micro_batches": {k: kinds.count(k) for k in ("trained", "dropped", "no-grad")},
-            "stash": {**{k: end[k] - start[k] for k in COUNTS}, "peak_bytes": peak, "entries_at_end": end["entries"],
+            "stash": {**{k: end[k] - start[k] for k in COUNTS}, "peak_bytes": peak, "records_at_end": end["records"],
                       "bytes_at_end": end["bytes"]},
             "rss": {"first": rss[0], "last": rss[-1], "max": max(rss), "second_half_slope_bytes_per_step": slope,
                     "second_half_steps": len(half)}, "log": log}
@@ -84,7 +84,7 @@ def soak_mode(shape, args, out):
     print(report.table(runs.values(), [
         ("checkpointing", lambda r: r["checkpointing"]), ("seconds", lambda r: f"{r['seconds']:.1f}"),
         *[(k, lambda r, k=k: r["stash"][k]) for k in COUNTS], ("peak bytes", lambda r: f"{r['stash']['peak_bytes']:,}"),
-        ("held after every step", lambda r: "0 entries, 0 bytes (asserted)"),
+        ("held after every step", lambda r: "0 records, 0 bytes (asserted)"),
         ("RSS slope, 2nd half", lambda r: f"{r['rss']['second_half_slope_bytes_per_step'] / 1e3:+.2f} kB/step")]))
     print(f"one leaked entry per step would add {one_entry / 1e3:.1f} kB/step")
     report.write(out, "soak", result)

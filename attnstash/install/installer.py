@@ -17,7 +17,7 @@ def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=No
         num_layers: how many attention layers to stash, counted from the last in the order of
             model.modules() (layers without attention, such as Mamba layers, are not counted);
             None: all. An int between 1 and the number of attention layers.
-        layers: None to find the layers (README.md, "Which layers"), or the checkpointed layers
+        layers: None to find the layers (README.md, "Turn it on"), or the checkpointed layers
             themselves: a module class (its instances) or an iterable of the model's modules.
         max_bytes: a budget for as long as this install lasts (an int or a string such as
             "8GiB", attnstash.parse_bytes); its uninstall gives back the budget it replaced.
@@ -105,7 +105,7 @@ def uninstall_attention_stash(model):
 
 
 def layer_stash_stats(model):
-    """{layer index: Held(entries, bytes, declined)} held now for this model's stashed layers:
+    """{layer index: Held(records, bytes, declined)} held now for this model's stashed layers:
     records (kept or declined), bytes, and how many of those records the budget declined."""
     held = ops.held_by_slot()
     return {stash.index: core.held_by_layer(stash, held) for _, stash in _stashed(model)}

@@ -20,8 +20,9 @@ cuda_rules.py; `backend=` forces one) and that backend's fused forward runs on m
 bytes are those of its output, log-sum-exp and extras, exactly what the stash keeps
 (attnstash/backends.py, kept_bytes). results.py: what plan() returns; table.py: the table.
 
-Budget: the installer stashes the LAST n attention layers, and a keep that would pass the budget
-is declined; so the layers that fit are counted from the last.
+Budget: the installer stashes the last n attention layers, and the budget gives its room to the
+last layers of the forward (csrc/stash_registry.h, Budget); so the layers that fit are counted
+from the last (results.py, layers_within).
 """
 import contextlib
 

@@ -197,8 +197,10 @@ def cuda_backend_without_device(query, key, value, attn_mask=None, dropout_p=0.0
             reason = _why_not_flash(query, key, value, attn_mask, is_causal, enable_gqa, capability)
         elif backend == _E:
             reason = _why_not_efficient(query, key, value, attn_mask, is_causal, enable_gqa, capability)
-        else:
+        elif backend == _C:
             reason = _why_not_cudnn(query, key, value, attn_mask, is_causal, enable_gqa, capability, cudnn_version)
+        else:  # a backend added to torch_ops/backends/ without its rule here (its README, step 3)
+            raise NotImplementedError(f"attnstash.plan: attnstash/planner/cuda_rules.py has no rule for {backend}")
         if reason is None:
             return backend, "; ".join([why_order] + not_used + [f"{_NAMES[backend]} takes this call"])
         not_used.append(f"not {_NAMES[backend]}: {reason}")

@@ -115,7 +115,8 @@ class StashPlan:
     def layers_within(self, max_bytes) -> int:
         """The largest n whose last n attention layers keep at most `max_bytes` (an int or a
         string such as "8GiB", as attnstash.parse_bytes reads it) for one micro-batch; a
-        refused layer ends the count."""
+        refused layer ends the count. (The last layers because the budget gives them the room:
+        csrc/stash_registry.h, Budget.)"""
         budget = budget_bytes(max_bytes)
         held, n = 0, 0
         for layer in reversed(self.layers):

@@ -48,7 +48,7 @@ void ModelRun::Step() {
       expect_.released_unused += kv.second.refs;
     }
     model_.clear();
-    expect_.entries = expect_.bytes = 0;
+    expect_.records = expect_.bytes = 0;
   }
   if (::testing::Test::HasFatalFailure()) return;
   CheckAfterStep();
@@ -152,7 +152,7 @@ void ModelRun::StoreOp(bool decline) {
   last_id_ = id;
   uint64_t held = decline ? 0 : bytes;
   model_[Canon(k)] = Rec{p.index, held, id, 1, decline, retain, demotable, false};
-  expect_.entries++;
+  expect_.records++;
   expect_.bytes += held;
   if (expect_.bytes > expect_.peak_bytes) expect_.peak_bytes = expect_.bytes;
   (decline ? expect_.declined : expect_.keeps)++;

@@ -52,8 +52,8 @@ class ModelRun {
     int stand_in_takes = 0, stand_ins_dropped = 0;
   };
 
-  // With `demotion`, two thirds of the entries are demotable (the other runs keep the
-  // previous contract's entries, whose demote is NULL, and their random sequence).
+  // With `demotion`, two thirds of the entries are demotable; without it none is (their demote
+  // is NULL) and no random number is drawn for it.
   explicit ModelRun(uint64_t seed, bool demotion = false) : rng_(seed), demotion_(demotion) {
     EXPECT_EQ(stash_registry_create(&reg_), STASH_OK);
   }
@@ -131,7 +131,7 @@ class ModelRun {
   }
   // Unlinks a record from the model, as the registry does with its last reference.
   void Unlink(std::map<CanonKey, Rec>::iterator it) {
-    expect_.entries--;
+    expect_.records--;
     expect_.bytes -= it->second.bytes;
     model_.erase(it);
   }

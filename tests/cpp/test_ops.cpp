@@ -89,11 +89,11 @@ class AttnstashOps : public ::testing::Test {
     at::manual_seed(0);
     StashClear();
     before_ = StashStats();
-    ASSERT_EQ(before_.at("entries"), 0);
+    ASSERT_EQ(before_.at("records"), 0);
   }
   void TearDown() override { EXPECT_EQ(StashClear(), 0) << "the test left kept attention outputs in the stash"; }
 
-  // How much a counter has grown since SetUp (entries/bytes: the value now).
+  // How much a counter has grown since SetUp (records/bytes: the value now).
   int64_t Delta(const char* name) const { return StashStats().at(name) - before_.at(name); }
 
   // Runs a first forward (grad off, anchor requires grad), checks that it kept its
@@ -107,7 +107,7 @@ class AttnstashOps : public ::testing::Test {
       expected = PlainSdpa(a);
     }
     EXPECT_EQ(Delta("keeps"), 1) << "the first forward kept nothing";
-    EXPECT_EQ(Delta("entries"), 1);
+    EXPECT_EQ(Delta("records"), 1);
     ASSERT_EQ(kept.sizes(), expected.sizes());
     EXPECT_EQ(kept.scalar_type(), expected.scalar_type());
     EXPECT_TRUE(at::equal(kept, expected)) << "max |diff| = " << (kept - expected).abs().max().item<float>();
@@ -131,7 +131,8 @@ TEST_F(AttnstashOps, OpsAreRegisteredWithCpuAndAutogradKernelsAndCallableFromCpp
   }
   for (const char* name : {"attnstash::stash_stats", "attnstash::stash_stats_meanings", "attnstash::stash_clear",
                            "attnstash::stash_reset_peak", "attnstash::stash_set_max_bytes",
-                           "attnstash::stash_held_by_slot", "attnstash::stash_record_id", "attnstash::stash_release"}) {
+                           "attnstash::stash_held_by_slot", "attnstash::stash_record_id", "attnstash::stash_release",
+                           "attnstash::stash_kept_backends"}) {
     SCOPED_TRACE(name);
     EXPECT_NO_THROW(Op(name));
   }
@@ -167,14 +168,14 @@ TEST_F(AttnstashOps, ReplayReturnsTheKeptOutputAndEmptiesTheStash) {
     at::NoGradGuard no_grad;
     kept = FwdKeep(a, anchor, /*slot=*/0);
   }
-  ASSERT_EQ(Delta("entries"), 1);
+  ASSERT_EQ(Delta("records"), 1);
   {
     at::NoGradGuard no_grad;
     replayed = Replay(a, anchor, /*slot=*/0);
   }
   EXPECT_EQ(replayed.data_ptr(), kept.data_ptr()) << "the replay did not return the kept output";
   EXPECT_TRUE(at::equal(replayed, kept));
-  EXPECT_EQ(Delta("entries"), 0);
+  EXPECT_EQ(Delta("records"), 0);
   EXPECT_EQ(Delta("bytes"), 0);
   EXPECT_EQ(Delta("keeps"), 1);
   EXPECT_EQ(Delta("replays"), 1);
@@ -192,7 +193,7 @@ TEST_F(AttnstashOps, ReplayWithNothingKeptThrowsNoAttentionOutputIsKept) {
     const std::string message = e.what_without_backtrace();
     EXPECT_NE(message.find("no attention output is kept"), std::string::npos) << message;
   }
-  EXPECT_EQ(Delta("entries"), 0);
+  EXPECT_EQ(Delta("records"), 0);
   EXPECT_EQ(Delta("replays"), 0);
   EXPECT_EQ(Delta("misses"), 1);
 }
@@ -207,7 +208,7 @@ TEST_F(AttnstashOps, WithGradModeOnKeepsNothingAndEqualsSdpa) {
   at::Tensor out = FwdKeep(a, anchor, /*slot=*/0);
   at::Tensor expected = PlainSdpa(a);
   EXPECT_EQ(Delta("keeps"), 0);
-  EXPECT_EQ(Delta("entries"), 0);
+  EXPECT_EQ(Delta("records"), 0);
   ASSERT_EQ(out.sizes(), expected.sizes());
   EXPECT_TRUE(at::equal(out, expected));
   EXPECT_TRUE(out.requires_grad()) << "an ordinary call must stay differentiable";
@@ -259,7 +260,7 @@ TEST_F(AttnstashOps, ABudgetSetFromCppDeclinesWhatDoesNotFit) {
   EXPECT_EQ(StashStats().at("max_bytes"), -1);
   EXPECT_EQ(Delta("declined"), 1);
   EXPECT_EQ(Delta("keeps"), 0);
-  EXPECT_EQ(Delta("entries"), 0);
+  EXPECT_EQ(Delta("records"), 0);
 }
 
 }  // namespace

@@ -73,7 +73,7 @@ TEST(StashRegistry, ZeroBudgetRefusesEveryNonEmptyKeep) {
   Decline(reg.get(), k1, EntryFor(declined));
   stash_stats want = FreshStats();
   want.max_bytes = 0;
-  want.entries = 2;
+  want.records = 2;
   want.keeps = 1;
   want.declined = 1;
   EXPECT_EQ(Stats(reg.get()), want);
@@ -121,7 +121,7 @@ TEST(StashRegistry, LoweringTheBudgetBelowWhatIsHeldKeepsItAndRefusesEveryKeep) 
   Keep(reg.get(), kb, EntryFor(b));
   ASSERT_EQ(stash_set_max_bytes(reg.get(), 50), STASH_OK);
   stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.entries, 2u);
+  EXPECT_EQ(s.records, 2u);
   EXPECT_EQ(s.bytes, 130u);
   EXPECT_EQ(a.releases.load() + b.releases.load(), 0);
 

@@ -25,7 +25,7 @@ TEST(StashRegistryDemotion, KeepOverTheBudgetDemotesTheOldestKeptRecordIntoADecl
   EXPECT_EQ(Peek(reg.get(), kb), (Held{&b, 60, idb, 1, false}));
   stash_stats want = FreshStats();
   want.max_bytes = 100;
-  want.entries = 2;
+  want.records = 2;
   want.bytes = want.peak_bytes = 60;  // never 120, not even for a moment
   want.keeps = 1;                     // the demoted forward moved from keeps...
   want.declined = 1;                  // ...to declined
@@ -226,7 +226,7 @@ TEST(StashRegistryDemotion, TakeOfADemotedRecordHandsOutItsStandInAsDeclinedAndI
   EXPECT_EQ(s.replays, 0u);
   EXPECT_EQ(s.misses, 0u);
   EXPECT_EQ(s.declined, 2u);
-  EXPECT_EQ(s.entries, 2u);
+  EXPECT_EQ(s.records, 2u);
   EXPECT_EQ(s.keeps + s.declined, s.replays + 2u /* declined takes */ + s.released_unused + LiveRefs(reg.get()));
   reg.Destroy();
   for (size_t i = 0; i < 2; ++i) {
@@ -329,7 +329,7 @@ TEST(StashRegistryDemotion, EveryPayloadIsReleasedExactlyOnceStandInsIncludedAnd
     ASSERT_EQ(stash_release_if(reg.get(), anchor0, nullptr, &released), STASH_OK);  // 4
     EXPECT_EQ(released, 1u);
     stash_stats s = Stats(reg.get());
-    EXPECT_EQ(s.entries, 2u);  // 5 and big, for destroy
+    EXPECT_EQ(s.records, 2u);  // 5 and big, for destroy
     EXPECT_EQ(s.keeps, 1u);
     EXPECT_EQ(s.declined, 7u);
     EXPECT_EQ(s.released_unused, 4u);

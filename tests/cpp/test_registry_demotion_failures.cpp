@@ -231,7 +231,7 @@ TEST(StashRegistryDemotion, DemotedPayloadsAndStandInsMadeInVainAreReleasedAfter
   // The old payload's release ran once the keep was done, the lock dropped.
   EXPECT_EQ(a.releases, 1);
   EXPECT_EQ(a.status, STASH_OK);
-  EXPECT_EQ(a.seen.entries, 2u);
+  EXPECT_EQ(a.seen.records, 2u);
   EXPECT_EQ(a.seen.bytes, 60u);
   EXPECT_EQ(a.seen.keeps, 1u);
   EXPECT_EQ(a.seen.declined, 1u);

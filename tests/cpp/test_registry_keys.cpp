@@ -169,7 +169,7 @@ TEST(StashRegistry, TakeWithTheRecordsIdFindsItAndWithAnotherIdMisses) {
   stash_stats s = Stats(reg.get());
   EXPECT_EQ(s.replays, 1u);
   EXPECT_EQ(s.misses, 1u);
-  EXPECT_EQ(s.entries, 0u);
+  EXPECT_EQ(s.records, 0u);
 }
 
 TEST(StashRegistry, TakeWithTheIdOfAnotherKeysRecordMisses) {
@@ -179,7 +179,7 @@ TEST(StashRegistry, TakeWithTheIdOfAnotherKeysRecordMisses) {
   Keep(reg.get(), ka, EntryFor(a));
   uint64_t idb = Keep(reg.get(), kb, EntryFor(b));
   EXPECT_EQ(Take(reg.get(), ka, idb).status, STASH_ERR_MISSING);
-  EXPECT_EQ(Stats(reg.get()).entries, 2u);
+  EXPECT_EQ(Stats(reg.get()).records, 2u);
 }
 
 // --- keys --------------------------------------------------------------------
@@ -273,7 +273,7 @@ TEST(StashRegistry, AnchorVersionSlotShapeAndRankEachTellKeysApart) {
   for (size_t i = 0; i < keys.size(); ++i) {
     ASSERT_EQ(stash_keep(reg.get(), &keys[i], EntryFor(payloads[i]), nullptr), STASH_OK) << i;
   }
-  EXPECT_EQ(Stats(reg.get()).entries, keys.size());
+  EXPECT_EQ(Stats(reg.get()).records, keys.size());
   for (size_t i = keys.size(); i-- > 0;) {
     Taken t = Take(reg.get(), keys[i]);
     ASSERT_EQ(t.status, STASH_OK) << i;

@@ -38,7 +38,7 @@ TEST(StashRegistry, ReleaseIfOnAnAnchorReleasesEveryVersionSlotAndShapeOfThatAnc
   for (auto &p : op) EXPECT_EQ(p.releases.load(), 0);
 
   stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.entries, other_keys.size());
+  EXPECT_EQ(s.records, other_keys.size());
   EXPECT_EQ(s.bytes, other_keys.size());
   EXPECT_EQ(s.released_unused, target_keys.size());
   EXPECT_EQ(s.peak_bytes, 100 * target_keys.size() + other_keys.size());
@@ -83,7 +83,7 @@ TEST(StashRegistry, ReleaseIfReleasesExactlyWhatThePredicateSelectsAndPassesItsC
   }
   EXPECT_EQ(released, expected);
   stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.entries, 20 - expected);
+  EXPECT_EQ(s.records, 20 - expected);
   EXPECT_EQ(s.bytes, 10 * (20 - expected));
   EXPECT_EQ(s.released_unused, expected);
 }
@@ -109,7 +109,7 @@ TEST(StashRegistry, ReleaseIfSeesEachRecordsIdRefsAndDeclinedFlag) {
                                    {ids, Held{&shared, 8, ids, 2, false}},
                                    {idd, Held{&declined, 0, idd, 1, true}}};
   EXPECT_EQ(seen, want);
-  EXPECT_EQ(Stats(reg.get()).entries, 3u);
+  EXPECT_EQ(Stats(reg.get()).records, 3u);
 }
 
 TEST(StashRegistry, ReleaseIfDropsWholeSharedRecordsCountingEveryReference) {
@@ -131,7 +131,7 @@ TEST(StashRegistry, ReleaseIfDropsWholeSharedRecordsCountingEveryReference) {
   EXPECT_EQ(single.releases.load(), 0);
   stash_stats s = Stats(reg.get());
   EXPECT_EQ(s.released_unused, 3u);
-  EXPECT_EQ(s.entries, 1u);
+  EXPECT_EQ(s.records, 1u);
   EXPECT_EQ(s.bytes, 16u);
 }
 
@@ -151,7 +151,7 @@ TEST(StashRegistry, ClearReleasesEverythingAndTheRegistryStaysUsable) {
   EXPECT_EQ(released, 50u);
   for (auto &p : payloads) EXPECT_EQ(p.releases.load(), 1);
   stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.entries, 0u);
+  EXPECT_EQ(s.records, 0u);
   EXPECT_EQ(s.bytes, 0u);
   EXPECT_EQ(s.peak_bytes, 100u);
   EXPECT_EQ(s.released_unused, 55u);  // every reference of the five shared records
@@ -276,12 +276,12 @@ TEST(StashRegistry, ReleaseCallbackMayCallBackIntoTheRegistryWithoutDeadlock) {
   ASSERT_EQ(stash_release_id(reg.get(), id), STASH_OK);
   EXPECT_EQ(payload.releases, 1);
   EXPECT_EQ(payload.stats_status, STASH_OK);
-  EXPECT_EQ(payload.seen.entries, 1u);
+  EXPECT_EQ(payload.seen.records, 1u);
   EXPECT_EQ(payload.seen.released_unused, 1u);
   EXPECT_EQ(payload.chained_status, STASH_OK);
   EXPECT_EQ(chained.releases.load(), 1);
   EXPECT_EQ(payload.keep_status, STASH_OK);
-  EXPECT_EQ(Stats(reg.get()).entries, 1u);
+  EXPECT_EQ(Stats(reg.get()).records, 1u);
 
   // release_if and clear re-enter as well.
   payload.keep_replacement = true;

@@ -21,7 +21,7 @@ TEST(StashRegistry, ShareAddsAReferenceAndCountsAKeepWithoutRetaining) {
   EXPECT_EQ(Peek(reg.get(), key), (Held{&p, 70, id, 3, false}));
   EXPECT_EQ(p.retains.load(), 0);
   stash_stats want = FreshStats();
-  want.entries = 1;
+  want.records = 1;
   want.bytes = want.peak_bytes = 70;
   want.keeps = 3;
   EXPECT_EQ(Stats(reg.get()), want);
@@ -42,7 +42,7 @@ TEST(StashRegistry, TakeOfASharedRecordRetainsAndLeavesItHeld) {
   EXPECT_EQ(p.retains.load(), 1);  // the taker's own reference
   EXPECT_EQ(Peek(reg.get(), key), (Held{&p, 70, id, 1, false}));
   stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.entries, 1u);
+  EXPECT_EQ(s.records, 1u);
   EXPECT_EQ(s.bytes, 70u);
   EXPECT_EQ(s.replays, 1u);
 
@@ -51,7 +51,7 @@ TEST(StashRegistry, TakeOfASharedRecordRetainsAndLeavesItHeld) {
   ASSERT_EQ(last.status, STASH_OK);
   EXPECT_EQ(p.retains.load(), 1);
   s = Stats(reg.get());
-  EXPECT_EQ(s.entries, 0u);
+  EXPECT_EQ(s.records, 0u);
   EXPECT_EQ(s.bytes, 0u);
   EXPECT_EQ(s.replays, 2u);
   EXPECT_EQ(s.released_unused, 0u);
@@ -155,7 +155,7 @@ TEST(StashRegistry, ReleaseIdFindsItsRecordWhateverTheKey) {
   }
   ASSERT_EQ(stash_release_id(reg.get(), ids[7]), STASH_OK);
   for (int i = 0; i < 12; ++i) EXPECT_EQ(payloads[size_t(i)].releases.load(), i == 7 ? 1 : 0) << i;
-  EXPECT_EQ(Stats(reg.get()).entries, 11u);
+  EXPECT_EQ(Stats(reg.get()).records, 11u);
 }
 
 TEST(StashRegistry, SharedTakesAndReleaseIdsBalanceEveryReference) {
@@ -179,7 +179,7 @@ TEST(StashRegistry, SharedTakesAndReleaseIdsBalanceEveryReference) {
   EXPECT_EQ(s.keeps, s.replays + s.released_unused);
   EXPECT_EQ(s.replays, 2u);
   EXPECT_EQ(s.released_unused, 2u);
-  EXPECT_EQ(s.entries, 0u);
+  EXPECT_EQ(s.records, 0u);
 }
 
 // --- declined records --------------------------------------------------------------
@@ -193,7 +193,7 @@ TEST(StashRegistry, DeclineStoresARecordWithoutBytesAndCountsDeclined) {
   EXPECT_EQ(id, 1u);
   EXPECT_EQ(Peek(reg.get(), key), (Held{&p, 0, id, 1, true}));
   stash_stats want = FreshStats();
-  want.entries = 1;
+  want.records = 1;
   want.declined = 1;
   EXPECT_EQ(Stats(reg.get()), want);
 }

@@ -18,7 +18,7 @@ TEST(StashRegistry, PeekSeesTheRecordUnderItsKeyAndLeavesItHeld) {
   Keep(reg.get(), other_slot, EntryFor(other));
   EXPECT_EQ(Peek(reg.get(), key), (Held{&kept, 12, id, 2, false}));
   stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.entries, 2u);
+  EXPECT_EQ(s.records, 2u);
   EXPECT_EQ(s.replays, 0u);
   EXPECT_EQ(kept.retains.load(), 0);
 
@@ -77,7 +77,7 @@ TEST(StashRegistry, StatsTrackEntriesBytesKeepsReplaysAndPeak) {
   Keep(reg.get(), kc, EntryFor(c));
 
   stash_stats want = FreshStats();
-  want.entries = 2;
+  want.records = 2;
   want.bytes = 80;
   want.peak_bytes = 150;  // a and b together, earlier
   want.keeps = 3;
@@ -148,7 +148,7 @@ TEST(StashRegistry, GrowsThroughThousandsOfRecordsAndGivesThemAllBack) {
   size_t total = 0;
   for (auto &p : payloads) total += p.bytes;
   stash_stats s = Stats(reg.get());
-  EXPECT_EQ(s.entries, size_t(n));
+  EXPECT_EQ(s.records, size_t(n));
   EXPECT_EQ(s.bytes, total);
   EXPECT_EQ(Contents(reg.get()).size(), size_t(n));
 
@@ -172,7 +172,7 @@ TEST(StashRegistry, GrowsThroughThousandsOfRecordsAndGivesThemAllBack) {
     taken++;
   }
   s = Stats(reg.get());
-  EXPECT_EQ(s.entries, 0u);
+  EXPECT_EQ(s.records, 0u);
   EXPECT_EQ(s.bytes, 0u);
   EXPECT_EQ(s.peak_bytes, total);
   EXPECT_EQ(s.replays, taken);

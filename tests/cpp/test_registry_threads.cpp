@@ -118,7 +118,7 @@ TEST(StashRegistryConcurrency, ParallelKeepsSharesTakesAndReleasesLoseNothingAnd
       if (stash_get_stats(reg, &s) != STASH_OK) monitor_failures++;
       // Under the lock the counters agree at every instant: every record holds at
       // least one of the forwards not yet replayed or dropped.
-      if (s.keeps < s.replays + s.released_unused + s.entries) monitor_failures++;
+      if (s.keeps < s.replays + s.released_unused + s.records) monitor_failures++;
       if (s.bytes > s.peak_bytes || s.declined != 0) monitor_failures++;
       stash_visit(
           reg,
@@ -178,14 +178,14 @@ TEST(StashRegistryConcurrency, ParallelKeepsSharesTakesAndReleasesLoseNothingAnd
   EXPECT_EQ(s.keeps, s.replays + s.released_unused + LiveRefs(reg));
   EXPECT_EQ(s.released_unused, monitor_refs);
   // Workers took all their own references back; only shared records may remain.
-  EXPECT_EQ(s.entries, Contents(reg).size());
-  EXPECT_LE(s.entries, 16u);
-  EXPECT_EQ(s.bytes, 1000u * s.entries);
+  EXPECT_EQ(s.records, Contents(reg).size());
+  EXPECT_LE(s.records, 16u);
+  EXPECT_EQ(s.bytes, 1000u * s.records);
 
   // Each accepted payload's references (the registry's, plus one per retain) end up
   // taken or released, and the registry releases each at most once; a payload that
   // was never accepted is never touched.
-  const uint64_t held_before_destroy = s.entries;
+  const uint64_t held_before_destroy = s.records;
   stash_registry_destroy(reg);
   uint64_t total_releases = 0, bad = 0;
   for (auto &w : state) {

@@ -104,14 +104,14 @@ TEST(StashRegistryConcurrency, BytesHeldNeverPassTheBudgetUnderConcurrentKeepsAn
   EXPECT_EQ(s.declined, declines);
   EXPECT_EQ(s.replays, replays);
   EXPECT_EQ(s.released_unused, 0u);
-  EXPECT_EQ(s.entries, uint64_t(workers * (window - 1)));
+  EXPECT_EQ(s.records, uint64_t(workers * (window - 1)));
   EXPECT_EQ(s.keeps + s.declined, s.replays + declined_takes + s.released_unused + LiveRefs(reg));
   stash_registry_destroy(reg);
   uint64_t releases = 0;
   for (auto &w : state) {
     for (auto &p : w.payloads) releases += uint64_t(p.releases.load());
   }
-  EXPECT_EQ(releases, s.entries);
+  EXPECT_EQ(releases, s.records);
 }
 
 TEST(StashRegistryConcurrency, BytesHeldNeverPassTheBudgetWhileConcurrentKeepsDemoteOlderRecords) {
@@ -286,7 +286,7 @@ TEST(StashRegistryConcurrency, BytesHeldNeverPassTheBudgetWhileConcurrentKeepsDe
   EXPECT_EQ(s.replays, replays);
   EXPECT_EQ(s.misses, 0u);
   EXPECT_EQ(s.released_unused, 0u);
-  EXPECT_EQ(s.entries, uint64_t(workers * left));
+  EXPECT_EQ(s.records, uint64_t(workers * left));
   EXPECT_EQ(s.keeps + s.declined, s.replays + declined_takes + s.released_unused + LiveRefs(reg));
 
   // Before destroy only demotions released anything: the old payloads, and the stand-ins

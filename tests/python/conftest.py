@@ -8,9 +8,9 @@ import attnstash
 def stash_is_empty_after_each_test():
     yield
     held = attnstash.stash_stats()
-    if held["entries"] or held["bytes"]:
+    if held["records"] or held["bytes"]:
         attnstash.stash_clear()
-        pytest.fail(f"the test left entries in the stash: {held}")
+        pytest.fail(f"the test left records in the stash: {held}")
 
 
 @pytest.fixture

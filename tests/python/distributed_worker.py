@@ -38,7 +38,7 @@ def _stats_since(before):
     import attnstash
     after = attnstash.stash_stats()
     return {"keeps": after["keeps"] - before["keeps"], "replays": after["replays"] - before["replays"],
-            "entries": after["entries"], "bytes": after["bytes"]}
+            "records": after["records"], "bytes": after["bytes"]}
 
 
 # ---- DDP and FSDP2 -------------------------------------------------------------------------

@@ -70,5 +70,5 @@ def measured(model, padded, device="cpu", n=None, max_bytes=None, seq=24):
         held = attnstash.layer_stash_stats(model)
         declined = attnstash.stash_stats()["declined"] - declined
         loss.backward()
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
     return {layer: h.bytes for layer, h in held.items()}, declined

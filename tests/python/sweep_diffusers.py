@@ -102,7 +102,7 @@ def _combo(name, mode, expected):
         attnstash.uninstall_attention_stash(model)
     counted = (after["keeps"] - before["keeps"], after["replays"] - before["replays"])
     gc.collect()
-    held = attnstash.stash_stats()["entries"]
+    held = attnstash.stash_stats()["records"]
     status = ("bitwise" if _bitwise(got, reference) else "different" if deterministic else "not deterministic")
     result = {"status": status, "keeps": counted[0], "replays": counted[1], "expected": list(expected or ()),
               "held": held, "stashed": len(stashed)}

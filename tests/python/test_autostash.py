@@ -42,7 +42,7 @@ loss.backward()
 s = attnstash.stash_stats()
 print(json.dumps({{"loss": loss.item(), "grads": [p.grad.double().sum().item() for p in model.parameters()],
                   "stashed": sorted(attnstash.layer_stash_stats(model)), "keeps": s["keeps"],
-                  "replays": s["replays"], "entries": s["entries"], "max_bytes": s["max_bytes"],
+                  "replays": s["replays"], "records": s["records"], "max_bytes": s["max_bytes"],
                   "torch_at_start": {torch_at_start}}}))
 """
 
@@ -58,7 +58,7 @@ def test_the_stash_is_installed_when_checkpointing_is_enabled(mode, layers, stas
     assert without["stashed"] == [] and without["keeps"] == 0
     assert with_it["stashed"] == stashed and with_it["keeps"] == with_it["replays"] == len(stashed)
     assert with_it["loss"] == without["loss"] and with_it["grads"] == without["grads"]  # bitwise (repr of doubles)
-    assert with_it["entries"] == 0 and with_it["max_bytes"] == -1
+    assert with_it["records"] == 0 and with_it["max_bytes"] == -1
     assert not with_it["torch_at_start"]  # the start-up line imports no torch
 
 

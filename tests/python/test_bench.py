@@ -45,7 +45,7 @@ def assert_stash_rows_exact(rows, per_layer):
     """Every configuration: kept bytes = the planner's prediction = what was computed here; the
     stash and SAC bitwise equal to plain checkpointing of their mode; nothing held after the step."""
     for r in rows:
-        assert r["held_after_step"] == {"entries": 0, "bytes": 0} and r["misses"] == 0, r["name"]
+        assert r["held_after_step"] == {"records": 0, "bytes": 0} and r["misses"] == 0, r["name"]
         assert r["loss_equal"], r["name"]
         if r["stash_layers"] is not None or r["checkpointing"] == "sac":
             plain = "non-reentrant" if r["checkpointing"] == "sac" else r["checkpointing"]
@@ -88,7 +88,7 @@ def test_model_mode_is_bitwise_and_keeps_what_is_predicted(model_run):
     assert all(r["grads_equal"] for r in report["configs"])  # a transformers decoder: plain modes agree too
     assert_stash_rows_exact(report["configs"], PER_LAYER)
     rows = {r["name"]: r for r in report["configs"]}
-    # Between forward and backward the last k layers hold one output each: [entries, bytes, declined].
+    # Between forward and backward the last k layers hold one output each: [records, bytes, declined].
     assert rows["reentrant + stash 1"]["held_after_forward"] == {"1": [1, PER_LAYER, 0]}
     assert rows["reentrant, stash on 0 layers"]["held_after_forward"] == {} and rows["no checkpointing"]["keeps"] == 0
     # A budget of 1.5 layers keeps the last layer and declines the first; 0 declines both.
@@ -242,7 +242,7 @@ def test_soak_runs_both_checkpointing_modes_and_ends_with_an_empty_stash(tmp_pat
     assert written["steps"] == 6 and set(written["runs"]) == {"reentrant", "non-reentrant"}
     for mode, run in report["runs"].items():
         stash = run["stash"]
-        assert len(run["log"]) == 6 and stash["entries_at_end"] == 0 and stash["bytes_at_end"] == 0
+        assert len(run["log"]) == 6 and stash["records_at_end"] == 0 and stash["bytes_at_end"] == 0
         assert stash["keeps"] == stash["replays"] + stash["released_unused"] and stash["misses"] == 0
         assert stash["keeps"] > 0 and stash["declined"] == 0
     assert nothing_installed()
@@ -255,7 +255,7 @@ def test_soak_under_non_reentrant_checkpointing_and_a_budget_ends_empty():
                          "--max-bytes", str(budget), "--amp", "bf16", "--out", ""])
     stash = report["runs"]["non-reentrant"]["stash"]
     assert list(report["runs"]) == ["non-reentrant"] and report["max_bytes"] == budget
-    assert stash["entries_at_end"] == 0 and stash["misses"] == 0 and stash["peak_bytes"] == PER_LAYER_BF16
+    assert stash["records_at_end"] == 0 and stash["misses"] == 0 and stash["peak_bytes"] == PER_LAYER_BF16
     assert stash["declined"] > 0 and stash["replays"] <= stash["keeps"]
     assert stash["keeps"] <= stash["replays"] + stash["released_unused"] <= stash["keeps"] + stash["declined"]
     assert attnstash.stash_max_bytes() == budget_before
@@ -287,7 +287,7 @@ def test_host_mode_measures_each_path(tmp_path):
     assert set(report["per_stashed_layer"]) == {"reentrant", "non-reentrant"}
     assert all(report["losses_equal"].values())
     for name, c in report["checks"].items():
-        assert c["held_after_step"] == {"entries": 0, "bytes": 0} and c["loss_equal"], name
+        assert c["held_after_step"] == {"records": 0, "bytes": 0} and c["loss_equal"], name
         assert c["grads_equal"] or c["compared_with"] != name.split(",")[0].split(" +")[0], name
         assert c["replays"] == (2 if name.endswith("stash 2") else 0), name
     assert report["sdpa_call_us"]["torch"] > 0 and (tmp_path / "host.json").exists()

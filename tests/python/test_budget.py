@@ -71,13 +71,31 @@ def test_the_budget_is_the_stashs_own_and_works_without_the_installer():
     with torch.no_grad():  # every recompute still gets the right output: the demoted one runs it
         for a, out in zip(anchors, outs):
             assert torch.equal(ops.sdpa_replay(q, k, v, a, 0), out)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
     attnstash.stash_set_max_bytes("0")
     with torch.no_grad():
         ops.sdpa_fwd_keep(q, k, v, anchors[0], 0)
     assert attnstash.stash_stats()["bytes"] == 0 and ops.held_by_slot()[0] == (1, 0, 1)
     with torch.no_grad():
         ops.sdpa_replay(q, k, v, anchors[0], 0)
+
+
+def test_the_oldest_records_are_demoted_first_whatever_their_sizes():
+    # Small, large, then medium (slots 0, 1, 2 of one anchor): the medium keep needs room, and the
+    # oldest go first, as many as it takes (the small one is not enough, so the large one goes
+    # too), never the largest alone, which would have been enough.
+    anchor = torch.randn(3, requires_grad=True)
+    calls = [tuple(torch.randn(1, 2, seq, 8) for _ in range(3)) for seq in (4, 12, 8)]
+    size = [seq * 2 * 8 * 4 + seq * 2 * 4 for seq in (4, 12, 8)]
+    attnstash.stash_set_max_bytes(size[1] + size[2] - 1)  # the large one alone would make room
+    with torch.no_grad():
+        outs = [ops.sdpa_fwd_keep(q, k, v, anchor, slot) for slot, (q, k, v) in enumerate(calls)]
+    held = ops.held_by_slot()
+    assert [held[slot] for slot in range(3)] == [(1, 0, 1), (1, 0, 1), (1, size[2], 0)], held
+    with torch.no_grad():  # the demoted recomputes run attention themselves
+        for slot, ((q, k, v), out) in enumerate(zip(calls, outs)):
+            assert torch.equal(ops.sdpa_replay(q, k, v, anchor, slot), out)
+    assert attnstash.stash_stats()["records"] == 0
 
 
 def test_a_budget_set_by_an_install_ends_with_it(installed):
@@ -138,7 +156,7 @@ def test_a_budget_keeps_the_last_layers_that_fit_and_trains_bitwise(installed, m
     assert after["peak_bytes"] <= fits * per_layer_bytes()
     assert after["declined"] - before["declined"] == 3 - fits
     assert after["replays"] - before["replays"] == fits
-    assert after["entries"] == 0
+    assert after["records"] == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -185,7 +203,7 @@ def test_the_budget_is_never_exceeded_over_varied_steps(installed, mode):
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     assert 0 < after["peak_bytes"] <= budget
     assert after["declined"] > before["declined"] and after["replays"] > before["replays"]
-    assert after["entries"] == 0
+    assert after["records"] == 0
 
 
 def test_a_demoted_non_reentrant_record_is_refilled_through_the_record(installed):

@@ -36,7 +36,7 @@ def train(use_stash, backend, steps=3):
             h = checkpoint(block, h, use_reentrant=True)
         loss = h.square().mean()
         loss.backward()
-        assert attnstash.stash_stats()["entries"] == 0
+        assert attnstash.stash_stats()["records"] == 0
         losses.append(loss.detach())
         grads.append([x.grad] + [p.grad.clone() for p in blocks.parameters()])
         opt.step()
@@ -91,7 +91,7 @@ def test_compiling_around_the_checkpoint_call_fails_or_warns_clearly(capfd):
         block.use_stash = False
         model(x).backward()
         assert torch.equal(got, x.grad)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False])
@@ -121,7 +121,7 @@ def test_a_compiled_hugging_face_model_with_gradient_checkpointing_trains_bitwis
         after = attnstash.stash_stats()
     assert_bitwise_equal(*runs)
     assert after["replays"] - before["replays"] == after["keeps"] - before["keeps"] == 2  # one per layer
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

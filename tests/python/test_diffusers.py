@@ -102,7 +102,7 @@ def test_a_diffusers_model_without_checkpointing_is_refused_at_its_first_trainin
             model(**inputs)
     finally:
         attnstash.uninstall_attention_stash(model)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 def test_another_attention_backend_is_refused_at_its_first_training_forward():
@@ -116,4 +116,4 @@ def test_another_attention_backend_is_refused_at_its_first_training_forward():
                 tiny.loss_and_grads(model, inputs)
     finally:
         attnstash.uninstall_attention_stash(model)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0

@@ -103,7 +103,7 @@ def assert_the_stash_changes_nothing(results):
         stashed = result["stashed"]
         assert_same_run(stashed, base, f"rank {rank}, with the stash vs without")
         assert stashed["keeps"] == stashed["replays"] == LAYERS * STEPS, (rank, stashed["keeps"], stashed["replays"])
-        assert stashed["entries"] == 0 and stashed["bytes"] == 0, (rank, stashed["entries"], stashed["bytes"])
+        assert stashed["records"] == 0 and stashed["bytes"] == 0, (rank, stashed["records"], stashed["bytes"])
     # The ranks saw different data but train one model: different losses, the same
     # (reduced) gradients and parameters.
     r0, r1 = (r["stashed"] for r in results)

@@ -73,7 +73,7 @@ CHILD = textwrap.dedent('''
           return a.shape == b.shape and torch.equal(torch.nan_to_num(a, 7.0), torch.nan_to_num(b, 7.0))
 
       want, got = run(plain), run(stash)
-      held = attnstash.stash_stats()["entries"]
+      held = attnstash.stash_stats()["records"]
       agree = want[0] == got[0] and (want[0] != "ok" or (same(want[1], got[1]) and all(
           same(x, y) for x, y in zip(want[2], got[2]))))
       print(json.dumps({"case": [name, path], "fsdpa": want[0], "attnstash": got[0], "agree": agree,

@@ -61,7 +61,7 @@ def keep_replay_and_autograd(backend, q, k, v, n_runs, causal=False, gqa=False, 
             qa, ka, va = (t.detach().requires_grad_() for t in (q, k, v))
             out = F.scaled_dot_product_attention(qa, ka, va, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
             runs.append((out, torch.autograd.grad(out, (qa, ka, va), g)))
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
     return g, kept, replayed, got, runs
 
 
@@ -160,11 +160,11 @@ def test_reentrant_checkpoint_on_cuda_keeps_once_and_replays_once():
         mid = attnstash.stash_stats()
         y.float().square().mean().backward()
     after = attnstash.stash_stats()
-    assert mid["entries"] == 1
+    assert mid["records"] == 1
     # output (bf16) + LSE (fp32, [B, H, S, 1]) + cuDNN's two 0-dim int64 philox tensors
     assert mid["bytes"] == 2 * 8 * 256 * 128 * 2 + 2 * 8 * 256 * 4 + 2 * 8
     assert after["keeps"] - before["keeps"] == 1 and after["replays"] - before["replays"] == 1
-    assert after["entries"] == 0
+    assert after["records"] == 0
     block.use_stash = False
     x2 = x.detach().clone().requires_grad_()
     with sdpa_kernel([CUDNN]):
@@ -179,7 +179,7 @@ def test_replay_rejects_a_query_on_another_device():
         ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True, enable_gqa=True)
         with pytest.raises(RuntimeError, match="query .* differs"):
             ops.sdpa_replay(q.cpu(), k, v, anchor, 0, is_causal=True, enable_gqa=True)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 def test_opcheck_on_cuda():
@@ -230,7 +230,7 @@ def test_hugging_face_training_step_on_cuda(backend, padded, use_reentrant):
         spread = max((a - b).abs().max().item() for j, a in enumerate(runs) for b in runs[j + 1:])
         nearest = min((g - r).abs().max().item() for r in runs)
         assert nearest <= spread, (i, nearest, spread)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -259,7 +259,7 @@ def test_cuda_autocast_keeps_and_replays_what_fsdpa_under_autocast_computes(dtyp
     for name, a, b in zip("kv", got[1:], want[1:]):  # dK, dV deterministic; dQ: see check_against_autograd
         assert torch.equal(a, b), name
     assert got[0].dtype == want[0].dtype and got[0].shape == want[0].shape
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -289,7 +289,7 @@ def test_hugging_face_fp32_model_under_cuda_autocast(dtype, use_reentrant):
     after = attnstash.stash_stats()
     assert torch.equal(loss, normal)
     assert after["keeps"] - before["keeps"] == 2 and after["replays"] - before["replays"] == 2
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
@@ -324,4 +324,4 @@ def test_a_cuda_budget_keeps_the_last_layer_and_never_passes_its_bytes(use_reent
     loss, held, stats = step(clone(base), max_bytes=one)
     assert torch.equal(loss, normal)
     assert held == {0: (1, 0, 1), 1: (1, one, 0)}
-    assert stats["peak_bytes"] <= one and stats["entries"] == 0
+    assert stats["peak_bytes"] <= one and stats["records"] == 0

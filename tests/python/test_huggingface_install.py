@@ -30,7 +30,7 @@ def test_uninstall_restores_the_original_behaviour():
     model.gradient_checkpointing_disable()
     ids = batch()
     model(input_ids=ids, labels=ids).loss.backward()  # would fail if anything were left
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
     with pytest.raises(ValueError, match="no attention stash installed"):
         attnstash.uninstall_attention_stash(model)
 

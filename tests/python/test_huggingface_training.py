@@ -25,7 +25,7 @@ def assert_stash_gives_the_normal_recompute(base, step, installed, stashed=3):
     keeps, replays = counters()
     assert_bitwise_equal(step(model), reference)
     assert counters() == (keeps + stashed, replays + stashed)
-    assert attnstash.stash_stats()["entries"] == 0 and attnstash.stash_stats()["bytes"] == 0
+    assert attnstash.stash_stats()["records"] == 0 and attnstash.stash_stats()["bytes"] == 0
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -43,7 +43,7 @@ def test_loss_and_every_gradient_equal_the_normal_recompute(arch, stashed, insta
     assert_bitwise_equal(got, reference)
     keeps2, replays2 = counters()
     assert keeps2 - keeps == replays2 - replays == stashed
-    assert attnstash.stash_stats()["entries"] == 0 and attnstash.stash_stats()["bytes"] == 0
+    assert attnstash.stash_stats()["records"] == 0 and attnstash.stash_stats()["bytes"] == 0
 
 
 def test_the_stash_holds_one_output_per_stashed_layer_until_backward(installed):
@@ -54,7 +54,7 @@ def test_the_stash_holds_one_output_per_stashed_layer_until_backward(installed):
     per_layer = attnstash.layer_stash_stats(model)
     # output [2, 4 heads, 24, 16] fp32 + LSE [2, 4, 24] fp32
     one = 2 * 4 * 24 * 16 * 4 + 2 * 4 * 24 * 4
-    assert per_layer == {1: (1, one, 0), 2: (1, one, 0)}  # (entries, bytes, declined)
+    assert per_layer == {1: (1, one, 0), 2: (1, one, 0)}  # (records, bytes, declined)
     loss.backward()
     assert attnstash.layer_stash_stats(model) == {1: (0, 0, 0), 2: (0, 0, 0)}
 
@@ -94,7 +94,7 @@ def test_two_forwards_then_backwards_in_reverse_order_take_their_own_outputs(ins
     installed(model, 3)
     loss_a = model(input_ids=ids_a, labels=ids_a).loss
     loss_b = model(input_ids=ids_b, labels=ids_b).loss
-    assert attnstash.stash_stats()["entries"] == 6
+    assert attnstash.stash_stats()["records"] == 6
     loss_b.backward()
     loss_a.backward()
     for n, p in model.named_parameters():
@@ -131,7 +131,7 @@ def test_gradient_accumulation_over_micro_batches_and_optimizer_steps(installed)
     assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     assert counters() == (keeps + 27, replays + 27)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 def test_a_no_grad_forward_retains_nothing(installed):
@@ -145,7 +145,7 @@ def test_a_no_grad_forward_retains_nothing(installed):
     assert torch.equal(out, ref)
     del out
     gc.collect()
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 def test_eval_and_generate_keep_nothing_and_match_the_original(installed):
@@ -161,7 +161,7 @@ def test_eval_and_generate_keep_nothing_and_match_the_original(installed):
         gen = model.generate(ids[:, :8], max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
         ref = reference.generate(ids[:, :8], max_new_tokens=4, do_sample=False, use_cache=True, pad_token_id=0)
     assert torch.equal(gen, ref)
-    assert attnstash.stash_stats()["keeps"] == keeps and attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["keeps"] == keeps and attnstash.stash_stats()["records"] == 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])

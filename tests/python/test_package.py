@@ -139,3 +139,12 @@ def test_the_installer_and_the_package_metadata_read_the_same_transformers_range
     assert (root / "attnstash/install/transformers-range.txt").read_text().split() == [
         f"transformers>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}"]
     assert "attnstash/install/transformers-range.txt" in (root / "pyproject.toml").read_text()
+
+
+def test_the_python_table_of_kept_backends_is_the_compiled_one():
+    # attnstash/backends.py's KEPT_BACKENDS (the fake kernels, the planner) and the backends the
+    # ops keep (torch_ops/backends/): one row each, the same rows.
+    from attnstash import backends
+    compiled = sorted(torch.ops.attnstash.stash_kept_backends())
+    assert compiled == sorted(f"{row.device}:{int(row.backend)}:{row.name}" for row in backends.KEPT_BACKENDS)
+    assert len(compiled) == len(set(compiled)) == 4

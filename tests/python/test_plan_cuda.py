@@ -132,7 +132,7 @@ def test_on_the_gpu_flash_with_a_mask_is_refused_as_the_stash_refuses_it():
     with installed(model), sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         with pytest.raises(RuntimeError):
             model(input_ids=ids, labels=ids, **kwargs)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 GPU_SHAPES = [  # (query heads, kv heads, qk dim, v dim, masked, causal, gqa, dtype)

@@ -66,7 +66,7 @@ def test_mla_with_different_head_dims_is_refused_on_cpu_as_the_stash_refuses_it(
     with installed(model):
         with pytest.raises(RuntimeError, match="(?i)math"):
             model(input_ids=ids, labels=ids)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 # ---- the calls the plan sees ----------------------------------------------------------------

@@ -29,11 +29,11 @@ def test_first_forward_output_is_bitwise_fsdpa(dtype, hq, hkv, d, causal):
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     with torch.no_grad():
         kept = ops.sdpa_fwd_keep(q, k, v, anchor, 7, is_causal=causal, enable_gqa=gqa)
-        assert attnstash.stash_stats()["keeps"] >= 1 and attnstash.stash_stats()["entries"] == 1
+        assert attnstash.stash_stats()["keeps"] >= 1 and attnstash.stash_stats()["records"] == 1
         assert torch.equal(kept, expected) and kept.stride() == expected.stride()
         replayed = ops.sdpa_replay(q, k, v, anchor, 7, is_causal=causal, enable_gqa=gqa)
     assert replayed.data_ptr() == kept.data_ptr()  # the kept tensor itself, not a recomputation
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 @pytest.mark.parametrize("dtype,hq,hkv,d,causal", CASES, ids=CASE_IDS)
@@ -51,9 +51,9 @@ def test_reentrant_checkpoint_gradients_are_bitwise_the_normal_recompute(dtype, 
     assert len(grads) == len(base_grads) == 5
     for got, want in zip(grads, base_grads):
         assert torch.equal(got, want)
-    assert mid["entries"] == 1 and mid["bytes"] > 0
+    assert mid["records"] == 1 and mid["bytes"] > 0
     assert after["keeps"] - before["keeps"] == 1 and after["replays"] - before["replays"] == 1
-    assert after["entries"] == 0 and after["bytes"] == 0
+    assert after["records"] == 0 and after["bytes"] == 0
 
 
 @pytest.mark.parametrize("scale", [None, 0.3])
@@ -92,10 +92,10 @@ def test_non_reentrant_checkpoint_gradients_are_bitwise_the_normal_recompute(dty
     before = attnstash.stash_stats()
     loss, grads, mid = checkpointed_step(dtype, hq, hkv, d, causal, True, reentrant=False)
     after = attnstash.stash_stats()
-    assert mid["entries"] == 1
+    assert mid["records"] == 1
     assert torch.equal(loss, base_loss) and all(torch.equal(a, b) for a, b in zip(grads, base_grads))
     assert after["keeps"] - before["keeps"] == 1 and after["replays"] - before["replays"] == 1
-    assert after["entries"] == 0
+    assert after["records"] == 0
 
 
 @pytest.mark.parametrize("kind", ["bool", "additive"])
@@ -116,13 +116,13 @@ def test_saved_tensor_hooks_without_a_checkpoint_keep_behind_the_node_and_match_
     anchor = anchor_for(q)
     with torch.autograd.graph.save_on_cpu():
         out = ops.sdpa_fwd_keep(q, k, v, anchor, 0, is_causal=True, enable_gqa=True)
-    assert attnstash.stash_stats()["entries"] == 1
+    assert attnstash.stash_stats()["records"] == 1
     g = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), g)
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     assert torch.equal(out, ref)
     assert all(torch.equal(a, b) for a, b in zip(got, torch.autograd.grad(ref, (q, k, v), g)))
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,5 +1,5 @@
 """attnstash::sdpa_fwd_keep and attnstash::sdpa_replay on CPU under torch.library.opcheck
-(sdpa_replay on prepared entries) and torch.compile(fullgraph=True), which matches eager."""
+(sdpa_replay on prepared records) and torch.compile(fullgraph=True), which matches eager."""
 import pytest
 import torch
 
@@ -46,7 +46,7 @@ def test_opcheck_sdpa_replay_on_a_prepared_entry(test_util):
     with Refill():
         torch.library.opcheck(torch.ops.attnstash.sdpa_replay.default, args, test_utils=test_util)
     assert real_calls >= (1 if test_util in ("test_schema", "test_aot_dispatch_dynamic") else 0)
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 def test_compiled_fullgraph_call_matches_eager():

@@ -43,7 +43,7 @@ def test_inference_mode_keeps_nothing():
     with torch.inference_mode():
         out = ops.sdpa_fwd_keep(q, k, v, anchor, 0)
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 @pytest.mark.parametrize("order", [pytest.param(reversed, id="reverse"), pytest.param(list, id="forward")])
@@ -56,7 +56,7 @@ def test_the_recompute_takes_its_own_forward(order):
     ref.load_state_dict(block.state_dict())
     xs = [torch.randn(2, 24, 64, requires_grad=True) for _ in range(2)]
     ys = [checkpoint(block, x, use_reentrant=True) for x in xs]
-    assert attnstash.stash_stats()["entries"] == 2
+    assert attnstash.stash_stats()["records"] == 2
     for x, y in order(list(zip(xs, ys))):
         y.square().sum().backward()
     for x in xs:
@@ -109,13 +109,13 @@ def test_a_dropped_non_reentrant_forward_is_released_with_its_graph_while_its_an
     block = Block(64, 4, 2, 16, torch.float32)
     x = torch.randn(2, 40, 64, requires_grad=True)
     y = checkpoint(block, x, use_reentrant=False)
-    assert attnstash.stash_stats()["entries"] == 1
+    assert attnstash.stash_stats()["records"] == 1
     del y
     gc.collect()
-    assert attnstash.stash_stats()["entries"] == 0  # x, the anchor, is still held here
+    assert attnstash.stash_stats()["records"] == 0  # x, the anchor, is still held here
 
 
-def test_entries_of_a_freed_anchor_are_released_by_the_next_call_or_stats_and_never_matched():
+def test_records_of_a_freed_anchor_are_released_by_the_next_call_or_stats_and_never_matched():
     torch.manual_seed(0)
     q, k, v = qkv(torch.float32, 4, 4, 64)
     anchor = torch.randn(64, 1024, requires_grad=True)  # 256 KiB: malloc gives such blocks back on free
@@ -134,14 +134,14 @@ def test_entries_of_a_freed_anchor_are_released_by_the_next_call_or_stats_and_ne
         msg = error_of(lambda: ops.sdpa_replay(q, k, v, probe, 0))
     assert "no attention output is kept" in msg
     stats = attnstash.stash_stats()
-    assert stats["entries"] == 0 and stats["released_unused"] == released + 1
+    assert stats["records"] == 0 and stats["released_unused"] == released + 1
     # stash_stats() itself releases what freed anchors left, so that it reports what is held.
     anchor = anchor_for(q)
     with torch.no_grad():
         ops.sdpa_fwd_keep(q, k, v, anchor, 0)
     del anchor
     gc.collect()
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 def test_stash_clear_releases_everything():
@@ -150,13 +150,13 @@ def test_stash_clear_releases_everything():
     with torch.no_grad():
         for a in anchors:
             ops.sdpa_fwd_keep(q, k, v, a, 0)
-    assert attnstash.stash_stats()["entries"] == 3
+    assert attnstash.stash_stats()["records"] == 3
     assert attnstash.stash_clear() == 3
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 def test_stats_report_every_counter_with_its_meaning():
-    names = ["entries", "bytes", "peak_bytes", "max_bytes", "keeps", "declined", "replays", "misses",
+    names = ["records", "bytes", "peak_bytes", "max_bytes", "keeps", "declined", "replays", "misses",
              "released_unused"]
     assert list(attnstash.stash_stats()) == names  # csrc/stash_registry.h's order
     meanings = attnstash.stash_stats_meanings()

@@ -33,7 +33,7 @@ def test_anchor_modified_in_place_is_reported_as_a_version_change():
         anchor.add_(1.0)
         msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, is_causal=True))
     assert "modified in place" in msg and "version was 0" in msg and "is 1 now" in msg
-    assert attnstash.stash_stats()["entries"] == 0  # the stale entry was released with the error
+    assert attnstash.stash_stats()["records"] == 0  # the stale record was released with the error
 
 
 def refused_and_nothing_kept(call, words):
@@ -41,7 +41,7 @@ def refused_and_nothing_kept(call, words):
     with torch.no_grad():
         msg = error_of(call)
     assert all(w in msg for w in words), msg
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 def under_math(call):
@@ -184,7 +184,7 @@ def test_a_recompute_given_an_alias_of_the_mask_checks_its_version_not_its_value
             flip_key_0(target, 0, 5)
             msg = error_of(lambda: ops.sdpa_replay(q, k, v, anchor, 0, view))
             assert "attn_mask was modified in place" in msg, through
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 # ---- inputs F.sdpa refuses get PyTorch's own words --------------------------------------------
@@ -215,7 +215,7 @@ def test_inputs_fsdpa_refuses_get_its_own_error_when_kept(refused, words):
     with torch.no_grad():
         msg = error_of(lambda: ops.sdpa_fwd_keep(q, k, v, anchor_for(q.float()), 0, mask, **kwargs))
     assert msg == str(plain.value)  # F.sdpa's own error, word for word
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0
 
 
 def test_a_mask_that_requires_grad_in_a_reentrant_checkpoint_gets_the_mask_error():
@@ -252,4 +252,4 @@ def test_a_mask_that_requires_grad_only_in_the_recompute_is_refused_there():
     y = checkpoint(biased, x, use_reentrant=True)
     msg = error_of(lambda: y.backward())
     assert "attn_mask requires grad" in msg and "no gradient" in msg and "kept output has been released" in msg
-    assert attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["records"] == 0

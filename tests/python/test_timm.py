@@ -61,7 +61,7 @@ def test_a_vision_transformer_with_grad_checkpointing_trains_bitwise_like_withou
     assert_bitwise_equal(loss_and_grads(model, images, labels), reference)
     after = attnstash.stash_stats()
     assert (after["keeps"] - before["keeps"], after["replays"] - before["replays"]) == (3, 3)
-    assert after["entries"] == 0
+    assert after["records"] == 0
 
 
 def test_stochastic_depth_and_dropout_with_the_random_state_restored_train_bitwise(mode, installed):

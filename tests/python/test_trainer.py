@@ -62,7 +62,7 @@ def test_trainer_with_the_stash_trains_like_without(tmp_path, lora, reentrant):
     assert weights.keys() == stashed_weights.keys()
     assert all(torch.equal(weights[n], stashed_weights[n]) for n in weights)
     assert kept == 3 * 4  # every stashed layer kept (and replayed) once per step
-    assert attnstash.stash_stats()["entries"] == 0 and attnstash.stash_stats()["bytes"] == 0
+    assert attnstash.stash_stats()["records"] == 0 and attnstash.stash_stats()["bytes"] == 0
 
 
 # ---- AttentionStashCallback ------------------------------------------------------------------
@@ -175,7 +175,7 @@ def assert_uninstalled(model, callback):
     assert nothing_installed()  # F.scaled_dot_product_attention and GradientCheckpointingLayer are as they were
     assert callback.uninstall() is False
     held = attnstash.stash_stats()
-    assert held["entries"] == 0 and held["bytes"] == 0
+    assert held["records"] == 0 and held["bytes"] == 0
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -31,7 +31,7 @@ def counts():
 
 def assert_nothing_held():
     s = attnstash.stash_stats()
-    assert s["entries"] == 0 and s["bytes"] == 0, s
+    assert s["records"] == 0 and s["bytes"] == 0, s
     assert not getattr(core._tls, "frames", None), "a forward left its frame on this thread"
 
 
@@ -88,11 +88,11 @@ def test_a_dropped_forward_is_released_as_soon_as_its_graph_is(mode, installed):
     released = attnstash.stash_stats()["released_unused"]
     ids = batch()
     out = model(input_ids=ids, labels=ids)
-    assert attnstash.stash_stats()["entries"] == 3
+    assert attnstash.stash_stats()["records"] == 3
     del out
     gc.collect()
     stats = attnstash.stash_stats()
-    assert stats["entries"] == 0 and stats["bytes"] == 0  # no later forward was needed
+    assert stats["records"] == 0 and stats["bytes"] == 0  # no later forward was needed
     assert stats["released_unused"] == released + 3
     # and training goes on
     assert_bitwise_equal(loss_and_grads(model, ids), loss_and_grads(attnstash_free_copy(model), ids))
@@ -109,11 +109,11 @@ def test_a_dropped_forward_is_released_with_its_graph_while_the_user_holds_its_i
     ids = batch()
     embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
     out = model(inputs_embeds=embeds, labels=ids)
-    assert attnstash.stash_stats()["entries"] == 3
+    assert attnstash.stash_stats()["records"] == 3
     del out
     gc.collect()
     stats = attnstash.stash_stats()
-    assert stats["entries"] == 0 and stats["bytes"] == 0
+    assert stats["records"] == 0 and stats["bytes"] == 0
 
     def step(m):  # the same input trains on, bitwise the run without the stash
         x = embeds.detach().requires_grad_()
@@ -135,7 +135,7 @@ def attnstash_free_copy(model):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_dropped_forward_frees_every_layer_input(mode, installed):
-    # The kept entries must not hold the graph (and through it every layer's input).
+    # The kept records must not hold the graph (and through it every layer's input).
     model = checkpointed("llama", mode)
     installed(model)
     inputs = []
@@ -168,7 +168,7 @@ def test_a_no_grad_forward_on_inputs_the_user_holds_keeps_nothing(mode, installe
     keeps = attnstash.stash_stats()["keeps"]
     with torch.no_grad():
         model(inputs_embeds=embeds, labels=ids)
-    assert attnstash.stash_stats()["keeps"] == keeps and attnstash.stash_stats()["entries"] == 0
+    assert attnstash.stash_stats()["keeps"] == keeps and attnstash.stash_stats()["records"] == 0
 
     def step(m):
         m.zero_grad(set_to_none=True)
@@ -222,7 +222,7 @@ def test_interrupted_steps_leave_nothing_held(mode):
         loss = None
         gc.collect()
         s = attnstash.stash_stats()
-        assert s["entries"] == 0 and s["bytes"] == 0, f"trial {trial}: {s}"
+        assert s["records"] == 0 and s["bytes"] == 0, f"trial {trial}: {s}"
         assert_nothing_held()
         model.zero_grad(set_to_none=True)
     assert interrupted == 30
@@ -252,7 +252,7 @@ def test_a_keyboard_interrupt_in_a_layer_releases_its_kept_output_at_once(instal
     finally:
         handle.remove()
     gc.collect()
-    assert raised and attnstash.stash_stats()["entries"] == 0
+    assert raised and attnstash.stash_stats()["records"] == 0
     assert_nothing_held()
 
 

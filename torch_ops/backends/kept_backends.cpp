@@ -16,6 +16,14 @@ KeptBackendRegistration::KeptBackendRegistration(const SdpaBackend& backend) { t
 
 const std::vector<const SdpaBackend*>& kept_backends() { return table(); }
 
+std::vector<std::string> kept_backend_rows() {
+  std::vector<std::string> rows;
+  for (const SdpaBackend* b : table())
+    rows.push_back(std::string(b->device == c10::DeviceType::CPU ? "cpu" : "cuda") + ":" +
+                   std::to_string(static_cast<int64_t>(b->id)) + ":" + b->name);
+  return rows;
+}
+
 const SdpaBackend* find_kept_backend(c10::DeviceType device, int64_t id) {
   for (const SdpaBackend* b : table())
     if (b->device == device && static_cast<int64_t>(b->id) == id) return b;

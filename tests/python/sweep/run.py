@@ -168,10 +168,10 @@ def _stats():
 
 def _held():
     s = _stats()
-    if s["entries"] or s["bytes"]:  # perhaps only garbage not yet collected holds them
+    if s["records"] or s["bytes"]:  # perhaps only garbage not yet collected holds them
         gc.collect()
         s = _stats()
-    return s["entries"], s["bytes"]
+    return s["records"], s["bytes"]
 
 
 def new_row(arch):
@@ -193,11 +193,11 @@ def check_arch(arch, modes=MODES, kinds=inputs.KINDS):
         row["outcome"] = f"FAILED: unexpected {_short(e)}"
         row["notes"].append(traceback.format_exc(limit=6))
     finally:
-        entries, nbytes = _held()
-        if entries or nbytes:
+        records, nbytes = _held()
+        if records or nbytes:
             attnstash.stash_clear()
             if not row["outcome"].startswith("FAILED"):
-                row["outcome"] = f"FAILED: {entries} entries ({nbytes} bytes) left in the stash after the arch"
+                row["outcome"] = f"FAILED: {records} records ({nbytes} bytes) left in the stash after the arch"
     row["seconds"] = round(time.time() - start, 1)
     return row
 
@@ -374,10 +374,10 @@ def _stash_combo(base, mode, batch, reference, expected):
         message = _short(error, 500)
         attn = isinstance(error, (RuntimeError, ValueError)) and str(error).startswith("attnstash")
         error = None
-        entries, nbytes = _held()
-        if entries or nbytes:
+        records, nbytes = _held()
+        if records or nbytes:
             attnstash.stash_clear()
-            result.update(status="failed", detail=f"{entries} entries left in the stash after an error in the "
+            result.update(status="failed", detail=f"{records} records left in the stash after an error in the "
                                                   f"{phase.name}: {message}")
         elif attn and phase.name == "forward":
             result.update(status="refused", detail=message)
@@ -391,10 +391,10 @@ def _stash_combo(base, mode, batch, reference, expected):
         else:
             result.update(status="failed", detail=f"{phase.name} raised {message}")
         return result
-    entries, nbytes = _held()
-    if entries or nbytes:
+    records, nbytes = _held()
+    if records or nbytes:
         attnstash.stash_clear()
-        result.update(status="failed", detail=f"{entries} entries ({nbytes} bytes) left in the stash")
+        result.update(status="failed", detail=f"{records} records ({nbytes} bytes) left in the stash")
         return result
     diff = differences(got, reference)
     if diff:
