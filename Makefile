@@ -5,7 +5,7 @@
 #                   under each transformers of HF_ALSO; timm; LLaMA-Factory and axolotl (a venv each)
 #   make sanitize   the C registry suite under ASan+UBSan, and under TSan
 #   make bench      python -m attnstash.bench (BENCH_ARGS="--mode layer", "--mode soak", ...)
-#   make sweep      every model type of the three transformers versions, with and without the stash
+#   make sweep      every model type of each transformers, and every diffusers model class
 #   make torch-matrix   the CPU suite on each torch release of the supported range (not in CI)
 #   make transformers-matrix   the Hugging Face tests on each transformers minor of the range (not in CI)
 #   make build      only (re)build attnstash/_C into the venv
@@ -124,10 +124,12 @@ endif
 test: test-cpp test-python test-hf-also test-timm test-tools
 
 # The supported-model sweep: every model type of each transformers (the pinned one and HF_ALSO),
-# built tiny, trained with and without the stash; out/sweep-<version>/.
+# built tiny, trained with and without the stash, out/sweep-<version>/; and every diffusers
+# model class that checkpoints its blocks, out/sweep-diffusers/.
 SWEEP_ARGS ?=
 sweep: hf-venvs
 	@rc=0; \
+	$(PYTHON) tests/python/sweep_diffusers.py --out out/sweep-diffusers || rc=1; \
 	$(PYTHON) tests/python/sweep_models.py --out out/sweep-$(patsubst transformers==%,%,$(TRANSFORMERS)) $(SWEEP_ARGS) || rc=1; \
 	$(if $(NO_VENV),,for v in $(HF_ALSO); do PYTHONPATH=$(CURDIR) .venv-hf-$$v/bin/python tests/python/sweep_models.py --out out/sweep-$$v $(SWEEP_ARGS) || rc=1; done;) \
 	exit $$rc
