@@ -108,3 +108,24 @@ def test_a_deep_copy_carries_an_install_of_its_own(installed):
     assert attnstash.install_attention_stash(twin, 1) == [2]  # once uninstalled, it can be installed
     attnstash.uninstall_attention_stash(twin)
     assert attnstash.layer_stash_stats(model).keys() == {1, 2}  # the original keeps its install
+
+
+def test_layers_left_out_by_every_n_layers_are_not_stashed(installed):
+    # Releases whose checkpointing takes every_n_layers checkpoint only some layers; the
+    # install (num_layers=None) stashes those and leaves the others to run as they are.
+    import inspect
+    model = tiny_model("llama", layers=4)
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is None or "every_n_layers" not in inspect.signature(enable).parameters:
+        pytest.skip("this transformers checkpoints every layer (no every_n_layers)")
+    model.activation_checkpointing_disable()
+    enable({"use_reentrant": True}, every_n_layers=2)
+    checkpointed = [i for i, layer in enumerate(model.model.layers) if layer.gradient_checkpointing]
+    assert 0 < len(checkpointed) < 4
+    ids = batch()
+    ref = loss_and_grads(clone(model), ids)
+    assert installed(model) == checkpointed
+    keeps, replays = counters()
+    assert_bitwise_equal(loss_and_grads(model, ids), ref)
+    assert counters() == (keeps + len(checkpointed), replays + len(checkpointed))
+    assert attnstash.stash_stats()["records"] == 0
