@@ -5,7 +5,7 @@ installs the stash on a random number of layers, then runs 1 to 4 micro-batches,
 dropped (a forward whose graph goes without a backward) or no-grad; optionally under a budget
 (--max-bytes: the peak must never pass it) and autocast (--amp). After every step the stash holds
 0 records and 0 bytes (asserted). RSS per step: the least-squares slope over the second half,
-next to what one leaked entry per step would add.
+next to what one leaked record per step would add.
 """
 import dataclasses
 import random
@@ -76,9 +76,9 @@ def soak_mode(shape, args, out):
     max_bytes = args.max_bytes[0][1] if args.max_bytes else None
     modes = ("reentrant", "non-reentrant") if args.checkpointing == "both" else (args.checkpointing,)
     runs = {mode: soak(shape, mode, args.steps, args.seed, max_bytes) for mode in modes}
-    one_entry = plan(build_model(dataclasses.replace(shape, layers=1)), shape).total_bytes
+    one_record = plan(build_model(dataclasses.replace(shape, layers=1)), shape).total_bytes
     result = {"mode": "soak", "shape": dataclasses.asdict(shape), "environment": environment(shape.device),
-              "steps": args.steps, "max_bytes": max_bytes, "bytes_of_one_kept_entry": one_entry, "runs": runs}
+              "steps": args.steps, "max_bytes": max_bytes, "bytes_of_one_kept_record": one_record, "runs": runs}
     print(f"soak: {args.steps} steps under each of {', '.join(runs)} checkpointing; {shape.describe()}"
           + (f"; budget {max_bytes:,} bytes (never passed, asserted)" if max_bytes is not None else ""))
     print(report.table(runs.values(), [
@@ -86,6 +86,6 @@ def soak_mode(shape, args, out):
         *[(k, lambda r, k=k: r["stash"][k]) for k in COUNTS], ("peak bytes", lambda r: f"{r['stash']['peak_bytes']:,}"),
         ("held after every step", lambda r: "0 records, 0 bytes (asserted)"),
         ("RSS slope, 2nd half", lambda r: f"{r['rss']['second_half_slope_bytes_per_step'] / 1e3:+.2f} kB/step")]))
-    print(f"one leaked entry per step would add {one_entry / 1e3:.1f} kB/step")
+    print(f"one leaked record per step would add {one_record / 1e3:.1f} kB/step")
     report.write(out, "soak", result)
     return result

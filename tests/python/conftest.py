@@ -1,4 +1,4 @@
-"""Every test must leave the stash empty: a leaked entry is a bug."""
+"""Every test must leave the stash empty: a leaked record is a bug."""
 import pytest
 
 import attnstash
