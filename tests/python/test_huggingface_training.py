@@ -135,15 +135,23 @@ def test_gradient_accumulation_over_micro_batches_and_optimizer_steps(installed)
 
 
 def test_a_no_grad_forward_retains_nothing(installed):
+    # A training-mode forward under no_grad runs the checkpoint, but no backward can reach it:
+    # nothing is kept, not even for an input the user holds that requires grad (inputs_embeds).
     model = tiny_model("llama")
     reference = clone(model)
     installed(model, 3)
     ids = batch()
+    embeds = model.get_input_embeddings()(ids).detach().requires_grad_()
+    keeps = counters()[0]
     with torch.no_grad():
         out = model(input_ids=ids).logits
         ref = reference(input_ids=ids).logits
-    assert torch.equal(out, ref)
-    del out
+        out_embeds = model(inputs_embeds=embeds).logits
+        ref_embeds = reference(inputs_embeds=embeds).logits
+    assert torch.equal(out, ref) and torch.equal(out_embeds, ref_embeds)
+    assert counters()[0] == keeps
+    assert attnstash.stash_stats()["records"] == 0  # embeds, layer 0's input, is still alive
+    del out, out_embeds
     gc.collect()
     assert attnstash.stash_stats()["records"] == 0
 
