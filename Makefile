@@ -139,7 +139,7 @@ sweep: hf-venvs
 	exit $$rc
 
 # The Hugging Face tests on each transformers minor release of the supported range (not in CI:
-# 5 to 8 minutes a release on 2 cores): out/transformers-matrix/results.md.
+# about 2 minutes a release on 2 cores, up to 8 on shared ones): out/transformers-matrix/results.md.
 TRANSFORMERS_MATRIX ?=
 transformers-matrix: build
 	PYTHON=$(PYTHON) bash tests/transformers_matrix.sh $(TRANSFORMERS_MATRIX)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Hugging Face tests (the Makefile's HF_TESTS) on each transformers release of the
 # supported range: 4.57.6 and the newest patch of every 5.x minor. Not part of CI (`make test`
-# runs the pinned release and the Makefile's HF_ALSO); 5 to 8 minutes a release on two cores.
+# runs the pinned release and the Makefile's HF_ALSO); about 2 minutes a release on two
+# cores, up to 8 on shared ones.
 #
 #   bash tests/transformers_matrix.sh               every release in RELEASES below
 #   bash tests/transformers_matrix.sh 5.20.2 5.24.0  only these
