@@ -255,9 +255,9 @@ class LayerForward:
                     "checkpoint runs it), so there is no recompute to save and the stash could only cost memory. "
                     "Enable checkpointing on every stashed layer (model.gradient_checkpointing_enable()), or do not "
                     "stash this one (num_layers, layers=).")
-        if in_backward():  # a recompute follows its first forward, whatever the training flag says now
-            return run_in_frame(open_frame(stash, anchor_of(stash, args, kwargs)), forward, args, kwargs)
-        if not layer.training:  # eval and generation: untouched
+        # Eval and generation: untouched; a recompute follows its first forward, whatever the
+        # training flag says by then.
+        if not layer.training and not in_backward():
             return forward(*args, **kwargs)
         return run_in_frame(open_frame(stash, anchor_of(stash, args, kwargs)), forward, args, kwargs)
 
@@ -269,7 +269,7 @@ def _reached_by_checkpoint_function(stash, layer, forward, args, kwargs):
     no-grad forward; its recompute, which runs in backward with grad and without a Run, can."""
     if in_backward() and torch.is_grad_enabled():
         raise _unreached(stash, layer, "its recompute ran")
-    if not torch.is_grad_enabled() or in_backward():
+    if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     reached = _reached()
     before = reached.get(stash.slot_base, 0)
