@@ -22,16 +22,18 @@ PINS := $(shell grep -v '^[[:space:]]*\(#\|$$\)' tests/requirements.txt)
 TRANSFORMERS ?= $(filter transformers==%,$(PINS))
 # The transformers releases the Hugging Face tests run on besides the pinned one (a venv each).
 HF_ALSO ?= 4.57.6 5.17.0 5.23.0
-# Pins a venv leaves out (hf-venvs: diffusers, whose release needs a huggingface_hub that
-# transformers 4.57 refuses; the diffusers tests run in the main venv).
+# Pins a venv leaves out. The venvs of other transformers releases (hf-venvs, and
+# tests/transformers_matrix.sh through print-hf-pins) leave out diffusers, whose release needs a
+# huggingface_hub that transformers 4.57 refuses; the diffusers tests run in the main venv.
 WITHOUT ?=
+HF_WITHOUT := diffusers==%
 REQUIREMENTS = $(TORCH) $(TRANSFORMERS) $(filter-out transformers==% $(WITHOUT),$(PINS))
 PYTHON ?= $(VENV)/bin/python
 BUILD_DIR ?= build/$(notdir $(VENV))
 PYTEST_ARGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all venv gtest build demo bench test test-cpp test-python print-hf-tests hf-venvs test-hf-also test-timm test-tools sweep torch-matrix transformers-matrix sanitize clean
+.PHONY: all venv gtest build demo bench test test-cpp test-python print-hf-tests print-hf-pins hf-venvs test-hf-also test-timm test-tools sweep torch-matrix transformers-matrix sanitize clean
 all: test
 
 venv:
@@ -85,11 +87,13 @@ HF_TESTS = tests/python/test_huggingface_training.py tests/python/test_huggingfa
   tests/python/test_model_sweep.py tests/python/test_budget.py
 print-hf-tests:
 	@echo $(HF_TESTS)
+print-hf-pins:
+	@echo $(filter-out transformers==% $(HF_WITHOUT),$(PINS))
 
 hf-venvs: build
 ifndef NO_VENV
 	@for v in $(HF_ALSO); do $(MAKE) --no-print-directory venv VENV=.venv-hf-$$v TRANSFORMERS=transformers==$$v TORCH=$(TORCH) \
-	  WITHOUT='diffusers==%' || exit 1; done
+	  WITHOUT='$(HF_WITHOUT)' || exit 1; done
 endif
 
 test-hf-also: hf-venvs

@@ -26,9 +26,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$(mkdir -p "${OUT:-$ROOT/out/transformers-matrix}" && cd "${OUT:-$ROOT/out/transformers-matrix}" && pwd)
 PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 TORCH=${TORCH:-torch==2.13.0}
-# diffusers left out, as in the Makefile's hf-venvs (its release needs a huggingface_hub that
-# transformers 4.57 refuses); the diffusers tests run in the main venv.
-PINS=$(grep -v '^[[:space:]]*\(#\|$\)' "$ROOT/tests/requirements.txt" | grep -v '^transformers==\|^diffusers==')
+PINS=$(make -s --no-print-directory -C "$ROOT" print-hf-pins)  # what the Makefile's hf-venvs install
 HF_TESTS=$(make -s --no-print-directory -C "$ROOT" print-hf-tests)
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 
