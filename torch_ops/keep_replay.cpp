@@ -41,25 +41,6 @@ void check_keepable(const SdpaCall& c, const char* op) {
               "cuDNN derivatives do). Pass attn_mask.detach(), or do not stash this layer.");
 }
 
-// Raises the error F.scaled_dot_product_attention itself gives for inputs it refuses (dtypes that
-// differ or are not floating point, heads that do not divide, a mask of the wrong shape or dtype,
-// ...): F.sdpa on meta tensors of the same sizes, strides and dtypes finds them without computing
-// anything; then F.sdpa itself runs, so that its own message is the one raised.
-void validate_as_sdpa(const SdpaCall& c) {
-  auto meta = [](const at::Tensor& t) {
-    return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
-  };
-  std::optional<at::Tensor> mask;
-  if (c.attn_mask.has_value()) mask = meta(*c.attn_mask);
-  try {
-    at::scaled_dot_product_attention(meta(c.query), meta(c.key), meta(c.value), mask, c.dropout_p, c.is_causal,
-                                     c.scale, c.enable_gqa);
-  } catch (...) {  // (a meta kernel written in Python throws a Python error, not a c10::Error)
-    sdpa_plain(c);  // F.sdpa's own error (and if it runs after all, the meta check's)
-    throw;
-  }
-}
-
 // What F.sdpa checks of every call before it picks a backend, cheaply: dtypes, devices and the
 // mask's shape (broadcastable to [batch, heads, seq_q, seq_k]).
 bool plainly_valid(const SdpaCall& c) {
@@ -78,6 +59,28 @@ bool plainly_valid(const SdpaCall& c) {
     }
   }
   return same;
+}
+
+// Raises the error F.scaled_dot_product_attention itself gives for inputs it refuses (dtypes that
+// differ or are not floating point, heads that do not divide, a mask of the wrong shape or dtype,
+// ...): F.sdpa on meta tensors of the same sizes, strides and dtypes finds them without computing
+// anything; then F.sdpa itself runs, so that its own message is the one raised.
+void validate_as_sdpa(const SdpaCall& c) {
+  auto meta = [](const at::Tensor& t) {
+    return at::empty_strided(t.sizes(), t.strides(), t.options().device(at::kMeta));
+  };
+  std::optional<at::Tensor> mask;
+  if (c.attn_mask.has_value()) mask = meta(*c.attn_mask);
+  try {
+    at::scaled_dot_product_attention(meta(c.query), meta(c.key), meta(c.value), mask, c.dropout_p, c.is_causal,
+                                     c.scale, c.enable_gqa);
+  } catch (...) {  // (a meta kernel written in Python throws a Python error, not a c10::Error)
+    sdpa_plain(c);  // F.sdpa's own error (and if it runs after all, the meta check's)
+    throw;
+  }
+  // Some releases' meta kernels pass what F.sdpa itself refuses (torch 2.11: integer query,
+  // key and value): inputs outside what F.sdpa checks run it, for its own error.
+  if (!plainly_valid(c)) sdpa_plain(c);
 }
 
 std::string kept_names(c10::DeviceType device) {

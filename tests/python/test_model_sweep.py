@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 import transformers
+from torch.nn.attention import SDPBackend
 
 import sweep
 from attnstash import attention_layers
@@ -27,6 +28,19 @@ from sweep import category, check_arch
 from sweep.inputs import KINDS
 
 RELEASE = tuple(int(n) for n in transformers.__version__.split(".")[:2])
+
+
+def cpu_backend_for_broadcast_heads():
+    """The backend the installed torch picks on CPU for Falcon's multi-query attention: a key
+    and value of one head for four query heads, without enable_gqa (F.sdpa broadcasts them).
+    torch 2.13 runs it on math, which attnstash refuses; a torch whose CPU flash attention takes
+    broadcast heads runs it on flash, which attnstash keeps."""
+    q = torch.empty(2, 4, 24, 16, requires_grad=True)
+    kv = torch.empty(2, 1, 24, 16, requires_grad=True)
+    return SDPBackend(torch._fused_sdp_choice(q, kv, kv, None, 0.0, True)).name
+
+
+FALCON_ON_FLASH = cpu_backend_for_broadcast_heads() == "FLASH_ATTENTION"
 
 
 def for_this_release(value):
@@ -56,8 +70,9 @@ FAST = {
                "one attention block shared by several hybrid layers (4.57: no GradientCheckpointingLayer; "
                "5.0 to 5.3: the model's own training step fails, no rotary_emb)"),
     "hrm_text": ("supported", None, (), "layers run several times per forward, some under no_grad"),
-    "falcon": ("refused at run", "math backend", (),
-               "attention that calls F.scaled_dot_product_attention directly, with K/V F.sdpa runs on math"),
+    "falcon": ("supported" if FALCON_ON_FLASH else "refused at run", None if FALCON_ON_FLASH else "math backend", (),
+               "attention that calls F.scaled_dot_product_attention directly, with one K/V head broadcast to "
+               "the query heads: kept where torch runs it on CPU flash, refused where on math"),
     "diffllama": ({"4": "refused at run", "5.13": "supported"}, {"4": "math backend", "5.13": None}, TEXT,
                   "two attention calls per attention module (5.13 on); F.sdpa directly, on math (before)"),
     "doge": ("refused at run", "requires grad", (),
