@@ -19,10 +19,10 @@ import os
 import pytest
 import torch
 import transformers
-from torch.nn.attention import SDPBackend
 
 import sweep
 from attnstash import attention_layers
+from attnstash.backends import chosen_backend, kept_backend
 from attnstash.install import find_layers
 from sweep import category, check_arch
 from sweep.inputs import KINDS
@@ -30,17 +30,16 @@ from sweep.inputs import KINDS
 RELEASE = tuple(int(n) for n in transformers.__version__.split(".")[:2])
 
 
-def cpu_backend_for_broadcast_heads():
-    """The backend the installed torch picks on CPU for Falcon's multi-query attention: a key
-    and value of one head for four query heads, without enable_gqa (F.sdpa broadcasts them).
-    torch 2.13 runs it on math, which attnstash refuses; a torch whose CPU flash attention takes
-    broadcast heads runs it on flash, which attnstash keeps."""
+def falcon_attention_is_kept():
+    """Whether the installed torch runs Falcon's multi-query attention (a key and value of one
+    head for four query heads, without enable_gqa: F.sdpa broadcasts them) on CPU with a backend
+    attnstash keeps. torch 2.13 runs it on math, which attnstash refuses; 2.15 on CPU flash."""
     q = torch.empty(2, 4, 24, 16, requires_grad=True)
     kv = torch.empty(2, 1, 24, 16, requires_grad=True)
-    return SDPBackend(torch._fused_sdp_choice(q, kv, kv, None, 0.0, True)).name
+    return kept_backend("cpu", chosen_backend(q, kv, kv, is_causal=True)) is not None
 
 
-FALCON_ON_FLASH = cpu_backend_for_broadcast_heads() == "FLASH_ATTENTION"
+FALCON_KEPT = falcon_attention_is_kept()
 
 
 def for_this_release(value):
@@ -70,9 +69,9 @@ FAST = {
                "one attention block shared by several hybrid layers (4.57: no GradientCheckpointingLayer; "
                "5.0 to 5.3: the model's own training step fails, no rotary_emb)"),
     "hrm_text": ("supported", None, (), "layers run several times per forward, some under no_grad"),
-    "falcon": ("supported" if FALCON_ON_FLASH else "refused at run", None if FALCON_ON_FLASH else "math backend", (),
+    "falcon": ("supported" if FALCON_KEPT else "refused at run", None if FALCON_KEPT else "math backend", (),
                "attention that calls F.scaled_dot_product_attention directly, with one K/V head broadcast to "
-               "the query heads: kept where torch runs it on CPU flash, refused where on math"),
+               "the query heads: kept where torch runs it on a kept backend (CPU flash), refused where on math"),
     "diffllama": ({"4": "refused at run", "5.13": "supported"}, {"4": "math backend", "5.13": None}, TEXT,
                   "two attention calls per attention module (5.13 on); F.sdpa directly, on math (before)"),
     "doge": ("refused at run", "requires grad", (),
