@@ -38,10 +38,9 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..errors import CheckpointingError, KeepError, ReplayError, StashError
-from .layers import CHECKPOINT_FUNCTION
+from .layers import ATTR, CHECKPOINT_FUNCTION
 from .random_state import Rng, preserves_rng
 
-ATTR = "_attnstash"  # the LayerStash, in a stashed layer's __dict__
 SLOT_BITS = 16       # a layer's slots: base + call index, for up to 2**16 calls per forward
 
 _lock = threading.RLock()  # installs, uninstalls, and the patch of F.scaled_dot_product_attention
@@ -52,11 +51,12 @@ _tls = threading.local()    # .frames: the frames this thread runs, innermost la
 
 class LayerStash:
     """One stashed layer: its index and name (for messages), how its checkpointed forward is
-    reached, and its slots."""
-    __slots__ = ("index", "name", "reach", "slot_base", "__weakref__")
+    reached, its slots, and the attention calls of its last first forward that kept (None
+    before one; attention_layers prints it)."""
+    __slots__ = ("index", "name", "reach", "slot_base", "calls", "__weakref__")
 
     def __init__(self, index, name, reach):
-        self.index, self.name, self.reach = index, name, reach
+        self.index, self.name, self.reach, self.calls = index, name, reach, None
         self.slot_base = next(_bases) << SLOT_BITS
         _live.add(self)
 
@@ -139,7 +139,8 @@ class Frame:
         except RuntimeError as e:
             if not str(e).startswith("attnstash"):
                 raise
-            raise (KeepError if self.first else ReplayError)(f"attnstash: {self.stash.name}: {e}") from e
+            holder = _dropout_holder(dropout_p) if dropout_p else ""
+            raise (KeepError if self.first else ReplayError)(f"attnstash: {self.stash.name}: {e}{holder}") from e
         reentrant = self.first and not torch.is_grad_enabled()
         if reentrant or noted is not None:
             record = ops.record_id(self.anchor, slot)
@@ -148,6 +149,31 @@ class Frame:
             if record and noted is not None:
                 Rng.note(record, noted)
         return out
+
+
+def _dropout_holder(dropout_p):
+    """Where the attention dropout a refused call passed comes from, for its message: an
+    attribute of the module that called attention (`self` or `module` of a caller on the stack)
+    holding that value, a float or an nn.Dropout's p ("" if none is found)."""
+    frame = sys._getframe(2)
+    try:
+        for _ in range(8):
+            if frame is None:
+                break
+            for module in (frame.f_locals.get("self"), frame.f_locals.get("module")):
+                if not isinstance(module, torch.nn.Module):
+                    continue
+                for name, value in itertools.chain(vars(module).items(), module._modules.items()):
+                    p = value.p if isinstance(value, torch.nn.Dropout) else value
+                    if "drop" in name and isinstance(p, float) and p == dropout_p:
+                        attr = f"{name}.p" if isinstance(value, torch.nn.Dropout) else name
+                        return (f" It comes from {type(module).__name__}.{attr} = {dropout_p} (the module that calls "
+                                "attention): build the model with that dropout at 0.0 (its config's attention "
+                                f"dropout field), or set {attr} = 0.0 on those modules before training.")
+            frame = frame.f_back
+    finally:
+        del frame
+    return ""
 
 
 def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None):
@@ -180,7 +206,10 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None):
 
 def close_frame(frame):
     """After a first forward that keeps: it must have called attention."""
-    if frame.first and frame.keep and frame.calls == 0:
+    if not (frame.first and frame.keep):
+        return
+    frame.stash.calls = frame.calls
+    if frame.calls == 0:
         release(frame.kept)
         raise CheckpointingError(
             f"attnstash: {frame.stash.name} is stashed, but its training forward called no "

@@ -46,6 +46,9 @@ def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=No
         raise InstallError(f"attnstash: num_layers must be between 1 and the {len(candidates)} attention layers of "
                            f"{type(model).__name__} (or None for all), got {num_layers}.")
     chosen = candidates[len(candidates) - count:]
+    refusal = transformers_adapter.dropout_refusal(model, chosen)
+    if refusal is not None:
+        raise refusal
     for index, f in chosen:
         if core.stash_of(f.module) is not None:
             raise InstallError(f"attnstash: layer {index} ({f.name}) of {type(model).__name__} already has the "

@@ -13,6 +13,7 @@ import torch
 from ..errors import InstallError
 
 CHECKPOINT_FUNCTION, MODULE_CALL = "checkpoint function", "module call"  # how a layer is reached: core.py
+ATTR = "_attnstash"  # a stashed layer's core.LayerStash, in its __dict__
 
 
 class Found(NamedTuple):
@@ -84,7 +85,35 @@ def find_layers(model, layers=None):
         + ". Name them with layers= (a module class, or the modules its checkpoint calls).")
 
 
+class AttentionLayer(NamedTuple):
+    """A layer install_attention_stash counts: its index (what num_layers and the install's
+    result count), its name in the model, and the module. Unpacks as (index, name, module);
+    prints as one line."""
+    index: int
+    name: str
+    module: torch.nn.Module
+
+    def __repr__(self):
+        stash = self.module.__dict__.get(ATTR)
+        calls = getattr(stash, "calls", None)
+        return (f"{self.index:>3}  {self.name or '(the model)'}  {type(self.module).__name__}"
+                + ("" if stash is None else "  stashed")
+                + ("" if calls is None else f", {calls} attention call{'s' if calls != 1 else ''} per forward"))
+
+
+class AttentionLayers(list):
+    """attention_layers' result: a list of AttentionLayer that prints one line per layer."""
+
+    def __repr__(self):
+        return "\n".join(map(repr, self)) if self else "(no attention layers)"
+
+    __str__ = __repr__
+
+
 def attention_layers(model, layers=None):
-    """[(index, name, module)] of the layers install_attention_stash(model, layers=layers)
-    counts: those with attention (and, where it can be seen, checkpointed)."""
-    return [(i, f.name, f.module) for i, f in enumerate(find_layers(model, layers)) if f.stashable]
+    """[AttentionLayer(index, name, module)] of the layers install_attention_stash(model,
+    layers=layers) counts: those with attention (and, where it can be seen, checkpointed).
+    Printed, one line per layer: index, name, class, and for a stashed layer the attention
+    calls of its last training forward."""
+    return AttentionLayers(AttentionLayer(i, f.name, f.module) for i, f in enumerate(find_layers(model, layers))
+                           if f.stashable)

@@ -131,6 +131,70 @@ def find(model):
     return found
 
 
+_DROPOUT_FIELD = re.compile(r"(attn|attention).*drop|drop.*(attn|attention)")
+
+
+def _config_class():
+    transformers = sys.modules.get("transformers")
+    return getattr(transformers, "PreTrainedConfig", None) or getattr(transformers, "PretrainedConfig", None)
+
+
+def attention_dropout(model, layer):
+    """(where, field, value) for a layer whose attention the model's config sets to drop out:
+    a nonzero float field of the config the layer's own modules carry whose name speaks of
+    attention and dropout (attention_dropout, attention_probs_dropout_prob, attn_pdrop, ...), read
+    as the layer's attention reads it when the model is built; `where` says how to set it (the
+    config's path from the model's own, "" for the model's). None if no config of the layer
+    names one (the ops refuse a dropout_p > 0 at the first step all the same)."""
+    config_class, layer_class = _config_class(), _layer_class()
+    if config_class is None or layer_class is None:
+        return None
+    config = next((m.config for m in _own_modules(layer, layer_class)
+                   if isinstance(getattr(m, "config", None), config_class)), None)
+    if config is None:
+        return None
+    for field, value in vars(config).items():
+        if isinstance(value, float) and value > 0 and _DROPOUT_FIELD.search(field):
+            return _config_path(model, config, config_class), field, value
+    return None
+
+
+def _config_path(model, config, config_class):
+    """The attribute path from a model's config to `config` ("" for the model's own)."""
+    roots = [m.config for m in model.modules() if isinstance(getattr(m, "config", None), config_class)]
+    for root in roots[:1]:
+        stack = [("", root)]
+        while stack:
+            path, node = stack.pop()
+            if node is config:
+                return path
+            stack.extend((f"{path}.{k}" if path else k, v) for k, v in vars(node).items()
+                         if isinstance(v, config_class))
+    return ""
+
+
+def dropout_refusal(model, layers):
+    """InstallError for the layers (index, Found) whose config gives their attention a dropout
+    (attention_dropout above), naming the first, the field, its value and the fix; None if none."""
+    hits = [(i, f, hit) for i, f in layers for hit in [attention_dropout(model, f.module)] if hit is not None]
+    if not hits:
+        return None
+    index, f, (where, field, value) = hits[0]
+    top = next((m for m in model.modules() if isinstance(getattr(m, "config", None), _config_class())), model)
+    others = f" and {len(hits) - 1} more of the layers to stash" if len(hits) > 1 else ""
+    if where:
+        fix = (f"config = AutoConfig.from_pretrained(...); config.{where}.{field} = 0.0; "
+               f"{type(top).__name__}.from_pretrained(..., config=config)")
+    else:
+        fix = f"{type(top).__name__}.from_pretrained(..., {field}=0.0)"
+    return InstallError(
+        f"attnstash: layer {index} ({f.name}, {type(f.module).__name__}){others} would train with attention dropout: "
+        f"the model's config{'.' + where if where else ''} has {field}={value}, and a kept attention output cannot "
+        "stand in for a recompute that draws a new dropout mask. Load the model with it at 0.0: "
+        f"{fix} (or set it in the config before building the model: the layers read it then); or do not stash "
+        "these layers (num_layers=, layers=).")
+
+
 def reach(module):
     """How a layer the user names (layers=) is reached: through its checkpoint function if it
     is a transformers layer, else as a module call."""

@@ -25,7 +25,7 @@ import os
 import sys
 
 LAYERS, MAX_BYTES = "ATTNSTASH_LAYERS", "ATTNSTASH_MAX_BYTES"
-_HOOKED = {}  # module name -> the function that patches it once imported
+enabled = 0  # how often checkpointing was turned on for a model in this process (install() ran)
 
 
 def settings(environ=os.environ):
@@ -65,6 +65,8 @@ def _budget():
 def install(model):
     """The stash on `model` (once: a model whose layers have it already is left alone), as the
     environment asks; a model it cannot serve fails as install_attention_stash does."""
+    global enabled
+    enabled += 1
     import attnstash
     num_layers, max_bytes = settings()
     if attnstash.layer_stash_stats(model):
@@ -115,7 +117,9 @@ def _trainer(module):
         from attnstash.integrations.trainer import AttentionStashCallback
         trainer = args[0]
         if not any(isinstance(cb, AttentionStashCallback) for cb in trainer.callback_handler.callbacks):
-            trainer.add_callback(AttentionStashCallback(install=False))
+            callback = AttentionStashCallback(install=False)
+            callback.autostash = sys.modules[__name__]  # what it tells when the trainer's model has no stash
+            trainer.add_callback(callback)
     _after(module.Trainer, "__init__", add_reporting)
 
 

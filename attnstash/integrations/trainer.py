@@ -121,6 +121,8 @@ class AttentionStashCallback(TrainerCallback):
         self._warned = False
         self._logged = False      # whether the current run made a training log
         self._run = None          # {counter: value at train begin, "peak_bytes": the run's peak so far}
+        self._unstashed = None    # why the trainer's model has no stash (install=False), said at train begin
+        self.autostash = None     # ATTNSTASH_LAYERS's module, when that added this callback (install=False)
 
     def __repr__(self):
         return (f"AttentionStashCallback(num_layers={self.num_layers!r}, max_bytes={self.max_bytes!r}"
@@ -136,6 +138,9 @@ class AttentionStashCallback(TrainerCallback):
         if not self.installs:  # report what the model's stash does
             self.layers = sorted(install.layer_stash_stats(model))
             self._model = weakref.ref(model)
+            self._unstashed = None if self.layers else self._why_unstashed(args, model)
+            if self._unstashed:
+                logger.warning("attnstash: %s", self._unstashed)
             self._start_counting()
             return
         leftover = _installed_by.get(model)
@@ -177,11 +182,12 @@ class AttentionStashCallback(TrainerCallback):
         # The entry Trainer.log appended for these logs: a copy of them, so the same loss object.
         appended = isinstance(entry, dict) and entry.get("loss", None) is logs["loss"]
         figures = self.figures()
-        if not self._logged and not (figures[PREFIX + "keeps"] or figures[PREFIX + "declined"]):
+        if not self._logged and not self._unstashed and not (figures[PREFIX + "keeps"] or figures[PREFIX + "declined"]):
             logger.warning(
-                "attnstash: the stash kept nothing since training began: the trainer trains another model than the "
-                "one it gave AttentionStashCallback (Trainer(model_init=...) gives callbacks the model from its "
-                "__init__), or the stashed layers did not run.")
+                "attnstash: the stash kept nothing since training began: "
+                + ("the trainer trains another model than the one it gave AttentionStashCallback "
+                   "(Trainer(model_init=...) gives callbacks the model from its __init__), or " if self.installs else "")
+                + "the stashed layers did not run.")
         self._logged = True
         logs.update(figures)
         if appended:
@@ -209,8 +215,29 @@ class AttentionStashCallback(TrainerCallback):
         peak = max(self._run["peak_bytes"], stats["peak_bytes"])
         counts = ", ".join(f"{stats[name] - self._run[name]} {name}" for name in _COUNTERS)
         rank = os.environ.get("RANK")
+        why = f"; {self._unstashed}" if self._unstashed else ""
         return (f"attnstash{'' if rank is None else f' (rank {rank})'}: {len(self.layers or ())} layers stashed; "
-                f"{counts}; peak {peak:,} bytes held")
+                f"{counts}; peak {peak:,} bytes held{why}")
+
+    def _why_unstashed(self, args, model):
+        """Why the model of a reporting callback has no stash, from ATTNSTASH_LAYERS's count of
+        the times checkpointing was turned on (None when no such count is known): warned at train
+        begin, and in the summary."""
+        autostash = self.autostash
+        if autostash is None:
+            return None
+        setting = f"{autostash.LAYERS}={os.environ.get(autostash.LAYERS)}"
+        flag = getattr(args, "gradient_checkpointing", None)
+        if not autostash.enabled:
+            return (f"{setting}, but checkpointing was never turned on for any model in this process, so "
+                    f"nothing was stashed: the trainer trains {type(model).__name__} without activation checkpointing "
+                    f"(TrainingArguments.gradient_checkpointing={flag}). The stash saves the recompute of checkpointed "
+                    "layers: turn checkpointing on (gradient_checkpointing=True, trl's --gradient_checkpointing, or "
+                    f"model.gradient_checkpointing_enable()), or unset {autostash.LAYERS}.")
+        return (f"{setting}, but the trainer's model ({type(model).__name__}) has no stash: checkpointing was "
+                f"turned on {autostash.enabled} time(s) in this process, each time for another model (the stash goes "
+                "on the model whose checkpointing is turned on; Trainer(model_init=...) trains a model it builds "
+                f"later), and not for this one (TrainingArguments.gradient_checkpointing={flag}).")
 
     # ---- the rest ------------------------------------------------------------------------------
 

@@ -125,3 +125,35 @@ print(json.dumps([h for h in trainer.state.log_history if "loss" in h]))
     assert rc == 0, err
     assert len(logs) == 2 and all(log["attnstash/keeps"] == log["attnstash/replays"] == 3 for log in logs)
     assert "attnstash: 3 layers stashed; 6 keeps, 6 replays, 0 declined; peak " in err, err
+
+
+def test_a_model_with_attention_dropout_fails_when_checkpointing_is_enabled_naming_the_field():
+    _, err, rc = run("from tiny_models import tiny_model\ntiny_model('qwen2', attention_dropout=0.1)",
+                     ATTNSTASH_LAYERS="all")
+    assert rc != 0 and "InstallError: attnstash (ATTNSTASH_LAYERS=all): layer 0 (model.layers.0, Qwen2DecoderLayer)" \
+                       in err and "has attention_dropout=0.1" in err and \
+           "Qwen2ForCausalLM.from_pretrained(..., attention_dropout=0.0)" in err, err
+
+
+def test_a_trainer_without_checkpointing_says_checkpointing_was_never_turned_on(tmp_path):
+    code = f"""
+import json, torch, transformers
+from tiny_models import VOCAB, tiny_config
+model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="sdpa")
+data = [{{"input_ids": torch.randint(0, VOCAB, (16,)), "labels": torch.randint(0, VOCAB, (16,))}} for _ in range(4)]
+args = transformers.TrainingArguments(output_dir={str(tmp_path)!r}, max_steps=2, per_device_train_batch_size=2,
+                                      logging_steps=1, report_to="none", use_cpu=True, save_strategy="no",
+                                      gradient_checkpointing=False)
+trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+trainer.train()
+print(json.dumps([h["attnstash/keeps"] for h in trainer.state.log_history if "loss" in h]))
+"""
+    keeps, err, rc = run(code, ATTNSTASH_LAYERS="all")
+    assert rc == 0, err
+    assert keeps == [0, 0]
+    said = ("ATTNSTASH_LAYERS=all, but checkpointing was never turned on for any model in this process, so nothing "
+            "was stashed: the trainer trains LlamaForCausalLM without activation checkpointing "
+            "(TrainingArguments.gradient_checkpointing=False)")
+    assert err.count(said) == 2, err  # the warning at train begin, and the summary at train end
+    assert "attnstash: 0 layers stashed; 0 keeps, 0 replays, 0 declined; peak 0 bytes held; " + said in err, err
+    assert "AttentionStashCallback" not in err, err  # a callback the user never created is not blamed

@@ -129,3 +129,19 @@ def test_layers_left_out_by_every_n_layers_are_not_stashed(installed):
     assert_bitwise_equal(loss_and_grads(model, ids), ref)
     assert counters() == (keeps + len(checkpointed), replays + len(checkpointed))
     assert attnstash.stash_stats()["records"] == 0
+
+
+def test_attention_layers_print_one_line_each_and_still_unpack(installed):
+    model = tiny_model("llama")
+    found = attnstash.attention_layers(model)
+    assert [(i, name) for i, name, _ in found] == [(0, "model.layers.0"), (1, "model.layers.1"), (2, "model.layers.2")]
+    assert found[2].module is model.model.layers[2] and found[2].index == 2
+    assert repr(found).splitlines() == ["  0  model.layers.0  LlamaDecoderLayer", "  1  model.layers.1  LlamaDecoderLayer",
+                                        "  2  model.layers.2  LlamaDecoderLayer"]
+    installed(model, 1)
+    assert repr(attnstash.attention_layers(model)[2]) == "  2  model.layers.2  LlamaDecoderLayer  stashed"
+    ids = batch()
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert str(attnstash.attention_layers(model)).splitlines()[1:] == [
+        "  1  model.layers.1  LlamaDecoderLayer", "  2  model.layers.2  LlamaDecoderLayer  stashed, 1 attention call "
+                                                  "per forward"]
