@@ -78,7 +78,10 @@ class AttentionStashCallback(TrainerCallback):
     the same process at the same time add to them. If the first training log of a run finds
     nothing kept or declined, the callback warns: the trainer trains another model than the
     one it gives its callbacks (Trainer(model_init=...) does, the callback then stashes the
-    model from the trainer's __init__), or the stashed layers did not run.
+    model from the trainer's __init__), or the stashed layers did not run. The callback that
+    ATTNSTASH_LAYERS adds (install=False) says instead, at train begin and in its summary, why
+    the trainer's model has no stash: checkpointing was never turned on in the process, or
+    only for other models.
 
     Where they go. Trainer.log appends a copy of the logs to state.log_history, then calls
     every callback's on_log with the logs dict, in the order of the trainer's callback list,
