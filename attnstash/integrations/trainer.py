@@ -96,9 +96,9 @@ class AttentionStashCallback(TrainerCallback):
 
     Raises (from trainer.train(), at train begin; nothing is left installed):
         attnstash.InstallError (a ValueError): the model trains without gradient checkpointing
-            (TrainingArguments.gradient_checkpointing=False and the model's layers not
-            checkpointed: set gradient_checkpointing=True, which SFTConfig does by default, or
-            call model.gradient_checkpointing_enable()), or some stashed layers are not
+            (TrainingArguments.activation_checkpointing=False, gradient_checkpointing before
+            transformers 5.23, and the model's layers not checkpointed: set it True, which
+            SFTConfig does by default, or turn checkpointing on on the model), or some stashed layers are not
             checkpointed; the model cannot take the stash (install_attention_stash's error: not
             attn_implementation="sdpa", no attention layers, a bad num_layers); the model
             already has a stash installed by hand (use one or the other).
@@ -230,17 +230,17 @@ class AttentionStashCallback(TrainerCallback):
         if autostash is None:
             return None
         setting = f"{autostash.LAYERS}={os.environ.get(autostash.LAYERS)}"
-        flag = getattr(args, "gradient_checkpointing", None)
+        field, enable = _checkpointing_names(args, model)
         if not autostash.enabled:
             return (f"{setting}, but checkpointing was never turned on for any model in this process, so "
                     f"nothing was stashed: the trainer trains {type(model).__name__} without activation checkpointing "
-                    f"(TrainingArguments.gradient_checkpointing={flag}). The stash saves the recompute of checkpointed "
-                    "layers: turn checkpointing on (gradient_checkpointing=True, trl's --gradient_checkpointing, or "
-                    f"model.gradient_checkpointing_enable()), or unset {autostash.LAYERS}.")
+                    f"(TrainingArguments.{field}={getattr(args, field, None)}). The stash saves the recompute of "
+                    f"checkpointed layers: turn checkpointing on ({field}=True, trl's --gradient_checkpointing, or "
+                    f"{enable}), or unset {autostash.LAYERS}.")
         return (f"{setting}, but the trainer's model ({type(model).__name__}) has no stash: checkpointing was "
                 f"turned on {autostash.enabled} time(s) in this process, each time for another model (the stash goes "
                 "on the model whose checkpointing is turned on; Trainer(model_init=...) trains a model it builds "
-                f"later), and not for this one (TrainingArguments.gradient_checkpointing={flag}).")
+                f"later), and not for this one (TrainingArguments.{field}={getattr(args, field, None)}).")
 
     # ---- the rest ------------------------------------------------------------------------------
 
@@ -309,15 +309,25 @@ class AttentionStashCallback(TrainerCallback):
         if not unchecked:
             return
         if len(unchecked) == len(layers) and not any(getattr(f.module, "gradient_checkpointing", False) for f in found):
-            flag = getattr(args, "gradient_checkpointing", None)
+            field, enable = _checkpointing_names(args, model)
             raise InstallError(
                 "attnstash: AttentionStashCallback needs gradient checkpointing, and the trainer trains "
-                f"{type(model).__name__} without it (TrainingArguments.gradient_checkpointing={flag}, and no layer "
-                "of the model is checkpointed): the stash keeps attention outputs for the checkpoint's recompute, so "
-                "without one it could only cost memory. Set gradient_checkpointing=True in the TrainingArguments "
-                "(SFTConfig's default), reentrant or not (gradient_checkpointing_kwargs={'use_reentrant': False}), "
-                "or call model.gradient_checkpointing_enable() before training; or remove the callback.")
+                f"{type(model).__name__} without it (TrainingArguments.{field}={getattr(args, field, None)}, and no "
+                "layer of the model is checkpointed): the stash keeps attention outputs for the checkpoint's "
+                f"recompute, so without one it could only cost memory. Set {field}=True in the TrainingArguments "
+                f"(SFTConfig's default), reentrant or not ({field}_kwargs={{'use_reentrant': False}}), or call "
+                f"{enable} before training; or remove the callback.")
         raise InstallError(
             f"attnstash: AttentionStashCallback: layers {unchecked} of {type(model).__name__} would be stashed but "
             "are not checkpointed (gradient checkpointing of every n-th layer?): a stashed layer must be "
             "checkpointed. Checkpoint every layer, or pass a num_layers that covers only checkpointed layers.")
+
+
+def _checkpointing_names(args, model):
+    """(the TrainingArguments field that turns checkpointing on, the model's call that does) as
+    the installed transformers names them: activation_checkpointing from 5.23, before it
+    gradient_checkpointing."""
+    new = hasattr(args, "activation_checkpointing")
+    return (("activation_checkpointing" if new else "gradient_checkpointing"),
+            ("model.activation_checkpointing_enable()" if hasattr(model, "activation_checkpointing_enable")
+             else "model.gradient_checkpointing_enable()"))

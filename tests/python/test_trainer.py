@@ -14,7 +14,7 @@ import transformers
 
 import attnstash
 from attnstash.integrations.trainer import FIGURES, PREFIX, AttentionStashCallback
-from tiny_models import VOCAB, nothing_installed, tiny_model
+from tiny_models import VOCAB, checkpointing_field, nothing_installed, tiny_model
 
 peft = pytest.importorskip("peft")
 
@@ -218,8 +218,9 @@ def test_callback_without_gradient_checkpointing_fails_at_train_begin(tmp_path):
     model = tiny_model("llama", seed=0)
     model.gradient_checkpointing_disable()
     callback = AttentionStashCallback(max_bytes="1MiB")
-    with pytest.raises(ValueError, match=r"needs gradient checkpointing.*gradient_checkpointing=False.*"
-                                         r"gradient_checkpointing=True"):
+    field = checkpointing_field()
+    with pytest.raises(ValueError, match=rf"needs gradient checkpointing.*TrainingArguments.{field}=False.*"
+                                         rf"Set {field}=True"):
         trainer_run(tmp_path, model=model, callback=callback, gradient_checkpointing=False)
     assert attnstash.stash_max_bytes() is None  # nothing installed, the budget untouched
     assert_uninstalled(model, callback)

@@ -1,5 +1,6 @@
 """Tiny Hugging Face decoders built from configs (no downloads), for the tests."""
 import copy
+import dataclasses
 
 import torch
 import transformers
@@ -31,6 +32,13 @@ def tiny_model(arch="llama", layers=3, seed=0, attn="sdpa", **overrides):
     model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     return model
+
+
+def checkpointing_field():
+    """The TrainingArguments field that turns checkpointing on in the installed transformers
+    (activation_checkpointing from 5.23, gradient_checkpointing before)."""
+    names = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
 def clone(model):
