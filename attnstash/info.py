@@ -2,6 +2,7 @@
 import platform
 import sys
 from importlib import metadata
+from pathlib import Path
 
 
 def collect() -> dict:
@@ -31,8 +32,14 @@ def collect() -> dict:
             facts["transformers supported"] = f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
     import attnstash
     facts["attnstash"] = attnstash.__version__
+    facts["attnstash imported from"] = str(Path(attnstash.__file__).resolve().parent)
     facts["attnstash library"] = str(_library.library_path() or "not built")
     facts["attnstash built for torch"] = _library.built_for() or "not built"
+    # Another installed copy (the one imported may be a source tree that shadows it): where, and its build.
+    elsewhere = _library.installed_elsewhere()
+    if elsewhere is not None:
+        (folder, built) = elsewhere
+        facts["attnstash installed at"] = f"{folder} ({f'built for torch {built}' if built else 'not built'})"
     try:
         _library.load()
         facts["ops registered"] = ", ".join(sorted(
