@@ -139,18 +139,24 @@ def _config_class():
     return getattr(transformers, "PreTrainedConfig", None) or getattr(transformers, "PretrainedConfig", None)
 
 
-def attention_dropout(model, layer):
-    """(where, field, value) for a layer whose attention the model's config sets to drop out:
-    a nonzero float field of the config the layer's own modules carry whose name speaks of
-    attention and dropout (attention_dropout, attention_probs_dropout_prob, attn_pdrop, ...), read
-    as the layer's attention reads it when the model is built; `where` says how to set it (the
-    config's path from the model's own, "" for the model's). None if no config of the layer
-    names one (the ops refuse a dropout_p > 0 at the first step all the same)."""
+def attention_dropout(model, layer, name):
+    """(where, field, value) for a layer (`name` in the model) whose attention the model's
+    config sets to drop out: a nonzero float field whose name speaks of attention and dropout
+    (attention_dropout, attention_probs_dropout_prob, attn_pdrop, ...) of the layer's config, read
+    as the layer's attention reads it when the model is built. The layer's config: the one its
+    own modules carry, else (releases whose modules carry none) that of the innermost
+    transformers model holding the layer. `where` says how to set it (the config's path from the
+    model's own, "" for the model's). None if no config of the layer names one (the ops refuse a
+    dropout_p > 0 at the first step all the same)."""
     config_class, layer_class = _config_class(), _layer_class()
     if config_class is None or layer_class is None:
         return None
     config = next((m.config for m in _own_modules(layer, layer_class)
                    if isinstance(getattr(m, "config", None), config_class)), None)
+    if config is None:
+        holders = [(n, m.config) for n, m in model.named_modules()
+                   if isinstance(getattr(m, "config", None), config_class) and (not n or name.startswith(n + "."))]
+        config = max(holders, key=lambda h: len(h[0]))[1] if holders else None
     if config is None:
         return None
     for field, value in vars(config).items():
@@ -176,7 +182,7 @@ def _config_path(model, config, config_class):
 def dropout_refusal(model, layers):
     """InstallError for the layers (index, Found) whose config gives their attention a dropout
     (attention_dropout above), naming the first, the field, its value and the fix; None if none."""
-    hits = [(i, f, hit) for i, f in layers for hit in [attention_dropout(model, f.module)] if hit is not None]
+    hits = [(i, f, hit) for i, f in layers for hit in [attention_dropout(model, f.module, f.name)] if hit is not None]
     if not hits:
         return None
     index, f, (where, field, value) = hits[0]

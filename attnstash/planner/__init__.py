@@ -19,12 +19,19 @@ run is decided (on this machine's device by torch itself; on CUDA without a devi
 cuda_rules.py; `backend=` forces one) and that backend's fused forward runs on meta tensors: the
 bytes are those of its output, log-sum-exp and extras, exactly what the stash keeps
 (attnstash/backends.py, kept_bytes). results.py: what plan() returns; table.py: the table.
+quiet.py: other libraries' warnings and log lines silenced while a model built from a config is
+built and run (and for the whole command), every setting restored.
+
+A call refused on CUDA for what the CUDA backends take says that the plan is for CUDA (the
+compute capability planned for, or the GPU here) and which plans would keep it: for the CPU
+(--device cpu, device="cpu"), in bf16 (--dtype bf16, dtype="bf16").
 
 Budget: the installer stashes the last n attention layers, and the budget gives its room to the
 last layers of the forward (csrc/stash_registry.h, Budget); so the layers that fit are counted
 from the last (results.py, layers_within).
 """
 import contextlib
+import dataclasses
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -33,6 +40,7 @@ from .. import backends
 from ..errors import ArgumentError, PlanError
 from . import cuda_rules, sources
 from .arguments import capability_of, dtype_of, positive, backend_of
+from .quiet import others_silenced
 from .results import CallPlan, LayerPlan, StashPlan, budget_bytes
 from .shape_only import ShapeOnlyMode, recording
 
@@ -56,7 +64,8 @@ def plan(source, *example_inputs, example_kwargs=None, batch_size=None, seq_len=
         dtype: "bf16", "fp16", "fp32" or the torch dtype attention runs in. Default: the model's
             parameters' dtype, else the config's, else bf16.
         device: "cpu", "cuda" or "cuda:N", the device type planned for. Default: the model's, else
-            "cuda".
+            "cuda". A call refused on CUDA for what its backends take says so, and names the plans
+            that would keep it (device="cpu", dtype="bf16").
         max_bytes: a budget (an int or a string such as "8GiB"): the result says how many attention
             layers, from the last, it holds.
         padded: for input_ids, plan batches with padding (a 4-D mask, which changes the backend).
@@ -64,6 +73,9 @@ def plan(source, *example_inputs, example_kwargs=None, batch_size=None, seq_len=
             sdpa_kernel([backend]) would; calls it cannot run are reported refused.
         cuda_capability: the compute capability planned for on CUDA without a CUDA device here.
         layers: as install_attention_stash's (None: found by themselves).
+
+    Building and running a model from a config silences other libraries' warnings and log lines
+    (quiet.py) and restores every setting after; a model passed in is run as it is.
 
     Returns a StashPlan (results.py). Raises ValueError for arguments it cannot read (naming
     what was expected) or a model the installer cannot serve, RuntimeError if the shape-only
@@ -139,8 +151,10 @@ def _device(device, source):
 def _forward(planned, layers):
     """The F.sdpa calls of the shape-only training forward, in order."""
     calls = []
+    # A model built here from a config is the planner's own: what its forward says is not the caller's.
+    quiet = others_silenced() if planned.stand_ins is None else contextlib.nullcontext()
     try:
-        with sources.eager_experts(planned.model), recording(calls, layers), torch.no_grad(), ShapeOnlyMode():
+        with quiet, sources.eager_experts(planned.model), recording(calls, layers), torch.no_grad(), ShapeOnlyMode():
             if planned.stand_ins is None:
                 planned.model(*planned.args, **planned.kwargs)
             else:
@@ -182,7 +196,9 @@ def _decide(call, device, forced, capability):
     return chosen, prefix + f"torch._fused_sdp_choice on {device}"
 
 
-def _plan_call(call, device, forced, capability):
+def _refusal(call, device, forced, capability):
+    """(SDPBackend, why, the kept backend's row or None, None or why the stash refuses it) for one
+    call planned for `device`."""
     chosen, why = _decide(call, device, forced, capability)
     row = backends.kept_backend(device, chosen) if chosen != SDPBackend.ERROR else None
     if call.dropout_p > 0:  # as torch_ops/keep_replay.cpp check_keepable refuses it
@@ -195,6 +211,53 @@ def _plan_call(call, device, forced, capability):
                    "(training with this layer stashed raises; see why above)")
     else:
         refused = row.refuses(call.query, call.key, call.value)
+    return chosen, why, row, refused
+
+
+def _planned_for(device, capability):
+    """The CUDA device a plan is for, in words."""
+    if not torch.cuda.is_available():
+        return (f"CUDA sm{capability[0]}{capability[1]} (no CUDA device here; --sm or cuda_capability= plans for "
+                "another)")
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{device} ({torch.cuda.get_device_name(device)}, sm{major}{minor})"
+
+
+def _in_dtype(call, dtype):
+    """The call with its floating inputs (a float mask too) in `dtype`."""
+    def cast(t):
+        if t is None or not t.is_floating_point():
+            return t
+        return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+    return dataclasses.replace(call, query=cast(call.query), key=cast(call.key), value=cast(call.value),
+                               mask=cast(call.mask))
+
+
+def _elsewhere(call, device, forced, capability):
+    """For a call refused on CUDA by what the CUDA backends take: that the plan is for CUDA, and
+    the plans that would keep it (for the CPU; in bf16 on CUDA)."""
+    tried, ways = [], []
+    if forced is None:
+        tried.append("for the CPU")
+        chosen, _, _, refused = _refusal(call, torch.device("cpu"), None, capability)
+        if refused is None:
+            ways.append(f"for the CPU ({chosen.name.lower()}: plan with --device cpu, or device=\"cpu\" in "
+                        "attnstash.plan)")
+    if call.query.dtype not in (torch.float16, torch.bfloat16):
+        tried.append("in bf16")
+        chosen, _, _, refused = _refusal(_in_dtype(call, torch.bfloat16), device, forced, capability)
+        if refused is None:
+            ways.append(f"in bf16 on CUDA ({chosen.name.lower()}: --dtype bf16, or dtype=\"bf16\")")
+    where = f". This plan is for {_planned_for(device, capability)}"
+    if ways:
+        return f"{where}. The stash would keep it planned {' or '.join(ways)}."
+    return f"{where}; planned {' or '.join(tried)}, the stash would refuse it too." if tried else where + "."
+
+
+def _plan_call(call, device, forced, capability):
+    chosen, why, row, refused = _refusal(call, device, forced, capability)
+    if refused and device.type == "cuda" and not call.dropout_p > 0:
+        refused += _elsewhere(call, device, forced, capability)
     sizes = (0, 0, 0) if refused else backends.kept_bytes(row, call.query, call.key, call.value, call.mask,
                                                           call.is_causal, call.scale)
     mask = None if call.mask is None else (tuple(call.mask.shape), str(call.mask.dtype).replace("torch.", ""))

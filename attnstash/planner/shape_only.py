@@ -8,7 +8,6 @@ import threading
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ..errors import PlanError
@@ -169,7 +168,7 @@ class _RecordSdpa(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        if not is_sdpa(func):
             return func(*args, **kwargs)
         q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
         layer = next((m for m in reversed(self.stack) if id(m) in self.layers), None)
@@ -179,6 +178,16 @@ class _RecordSdpa(TorchFunctionMode):
         with _disable_current_modes():
             out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device="meta")
         return ShapeOnly(out)
+
+
+def is_sdpa(func):
+    """Whether a torch function mode's `func` is F.scaled_dot_product_attention, whatever is
+    installed. While a stash is installed, F.scaled_dot_product_attention (and every module-level
+    name bound to it) is attnstash/install/routing.py's `route`, a Python
+    function that calls torch's own; a mode receives torch's own builtin either way. torch/nn/
+    functional.py binds that builtin from torch._C._nn, which routing.patch leaves alone: read it
+    there, at each call (a name bound here at import would be rebound)."""
+    return func is torch._C._nn.scaled_dot_product_attention
 
 
 def _calls_attention(cls):

@@ -21,12 +21,14 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..errors import ArgumentError
+from .quiet import others_silenced
 from .shape_only import ShapeOnly
 
 
 class Source(NamedTuple):
     model: torch.nn.Module
-    stand_ins: Optional[dict]  # {name: shape-only parameter or buffer}, for a model with real ones
+    stand_ins: Optional[dict]  # {name: shape-only parameter or buffer}, for a model with real ones (None: a
+                               # model built here from a config, on the meta device)
     args: tuple
     kwargs: dict
     name: str                  # the model's class (and model_type)
@@ -144,8 +146,23 @@ def _no_init_weights():
 
 def from_transformers_config(config, where, batch_size, seq_len, padded, dtype):
     import transformers
+    with others_silenced():
+        return _from_transformers_config(transformers, config, where, batch_size, seq_len, padded, dtype)
+
+
+def _current_names(transformers, values):
+    """config.json's values under the names the installed transformers takes: "torch_dtype" (as
+    configs saved before 4.56 name it) is "dtype" where torch_dtype is a deprecated alias of it."""
+    if "torch_dtype" in values and isinstance(getattr(transformers.PretrainedConfig, "torch_dtype", None), property):
+        value = values.pop("torch_dtype")
+        if values.get("dtype") is None:
+            values["dtype"] = value
+    return values
+
+
+def _from_transformers_config(transformers, config, where, batch_size, seq_len, padded, dtype):
     if not isinstance(config, transformers.PretrainedConfig):
-        values = dict(config)
+        values = _current_names(transformers, dict(config))
         model_type = values.pop("model_type", None)
         if not model_type:
             raise _error(f"{where} has no \"model_type\" (a transformers config.json) and no \"_class_name\" (a "
@@ -275,12 +292,14 @@ def from_diffusers_config(values, where, batch_size, frames, height, width, text
     dtype = dtype or torch.bfloat16
     model_class = getattr(diffusers, name)
     try:
-        with torch.device("meta"):
+        with others_silenced(), torch.device("meta"):
             model = model_class.from_config({k: v for k, v in values.items() if not k.startswith("_")})
     except Exception as e:
         raise _error(f"{where}: diffusers {diffusers.__version__} cannot build {name} from it: "
                      f"{type(e).__name__}: {' '.join(str(e).split())}") from None
-    model = model.to(dtype).train()
+    # Every floating tensor in `dtype`, by torch's Module.to (diffusers' own to() adds a warning only:
+    # that the modules its from_pretrained keeps in float32 are cast too).
+    model = torch.nn.Module.to(model, dtype).train()
     config = dict(model.config)
     kwargs = DIFFUSERS_INPUTS[name](config, batch_size, frames or 1, height, width, text_len, dtype)
     size = f"{frames} x {height} x {width}" if name in _VIDEO else f"{height} x {width}"

@@ -43,10 +43,11 @@ def enable(model):
 
 
 @pytest.mark.parametrize("build,field,layer,model_class", FAMILIES, ids=[f[1] for f in FAMILIES])
-def test_a_config_with_attention_dropout_is_refused_at_install_naming_the_field(build, field, layer, model_class):
+def test_a_config_with_attention_dropout_is_refused_at_install_naming_the_field(build, field, layer, model_class,
+                                                                                installed):
     model = enable(build(**{field: 0.1}))
     with pytest.raises(attnstash.InstallError) as caught:
-        attnstash.install_attention_stash(model)
+        installed(model)
     msg = str(caught.value)
     assert layer in msg and f"has {field}=0.1" in msg, msg
     assert f"{model_class}.from_pretrained(..., {field}=0.0)" in msg, msg
@@ -63,13 +64,13 @@ def test_the_same_model_with_the_field_at_zero_installs(build, field, layer, mod
         attnstash.uninstall_attention_stash(model)
 
 
-def test_only_the_layers_to_stash_are_read():
+def test_only_the_layers_to_stash_are_read(installed):
     # num_layers=1: the last layer's config is the model's, so the refusal names that layer alone.
     model = qwen2(attention_dropout=0.25)
     with pytest.raises(attnstash.InstallError, match=r"layer 2 \(model.layers.2, Qwen2DecoderLayer\) would train "
                                                      r"with attention dropout: the model's config has "
                                                      r"attention_dropout=0.25"):
-        attnstash.install_attention_stash(model, 1)
+        installed(model, 1)
     assert nothing_installed()
 
 
@@ -88,7 +89,7 @@ def test_a_dropout_set_on_the_modules_after_the_build_is_refused_at_the_first_st
     assert attnstash.stash_stats()["records"] == 0
 
 
-def test_a_sub_config_s_dropout_names_its_path():
+def test_a_sub_config_s_dropout_names_its_path(installed):
     # A composite config (a VLM's text_config): the fix sets it on that sub-config.
     from attnstash.install import transformers_adapter
 
@@ -102,8 +103,9 @@ def test_a_sub_config_s_dropout_names_its_path():
     inner = qwen2(attention_dropout=0.5)
     outer = Outer(inner)
     layer = inner.model.layers[2]
-    assert transformers_adapter.attention_dropout(outer, layer) == ("text_config", "attention_dropout", 0.5)
+    assert transformers_adapter.attention_dropout(outer, layer, "language_model.model.layers.2") == (
+        "text_config", "attention_dropout", 0.5)
     with pytest.raises(attnstash.InstallError, match=r"config.text_config.attention_dropout = 0.0; "
                                                      r"Outer.from_pretrained\(..., config=config\)"):
-        attnstash.install_attention_stash(outer, 1)
+        installed(outer, 1)
     assert nothing_installed()
