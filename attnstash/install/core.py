@@ -197,7 +197,7 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None):
     if not grad and hooks and reachable:
         raise CheckpointingError(
             f"attnstash: {stash.name} runs a reentrant checkpoint under saved-tensor hooks (offloaded "
-            "checkpointing: gradient_checkpointing_enable(offload=True), or torch.autograd.graph.save_on_cpu): "
+            "checkpointing: activation_checkpointing_enable(offload=True), or torch.autograd.graph.save_on_cpu): "
             "they give the recompute a copy of the layer input, so it could not find its kept output. Use "
             "non-reentrant checkpointing with offloading (use_reentrant=False), or turn offloading off.")
     return Frame(stash, anchor, reachable, first=True,
@@ -280,10 +280,11 @@ class LayerForward:
             if torch.is_grad_enabled() and not in_backward() and not _saved_tensor_hooks():
                 raise CheckpointingError(
                     f"attnstash: {stash.name} is stashed, but checkpointing is off for it (its gradient_checkpointing "
-                    "is False: model.gradient_checkpointing_disable(), or every_n_layers left it out, and no other "
-                    "checkpoint runs it), so there is no recompute to save and the stash could only cost memory. "
-                    "Enable checkpointing on every stashed layer (model.gradient_checkpointing_enable()), or do not "
-                    "stash this one (num_layers, layers=).")
+                    "is False: checkpointing disabled, or every_n_layers left it out, and no other checkpoint runs "
+                    "it), so there is no recompute to save and the stash could only cost memory. Enable "
+                    "checkpointing on every stashed layer (model.activation_checkpointing_enable(), "
+                    "gradient_checkpointing_enable() before transformers 5.23), or do not stash this one "
+                    "(num_layers, layers=).")
         # Eval and generation: untouched; a recompute follows its first forward, whatever the
         # training flag says by then.
         if not layer.training and not in_backward():
