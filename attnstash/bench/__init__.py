@@ -1,6 +1,6 @@
 """attnstash.bench: what the attention stash saves, what it costs, and that it changes nothing.
 
-`python -m attnstash.bench --mode model|layer|profile|seq-sweep|soak|dit|host` (__main__.py).
+`python -m attnstash.bench --mode model|layer|profile|seq-sweep|soak|dit|host|compile` (__main__.py).
 
     models.py    the decoder (Qwen3), checkpointing (SAC included), inputs, the planner's
                  prediction and the attention forward the stash skips; examples/demo.py uses it
@@ -10,6 +10,7 @@
     profile.py   profile mode (torch.profiler's event tree and key_averages)
     soak.py      soak mode
     dit.py       dit mode (diffusers' Flux transformer) and host mode
+    compiled.py  compile mode (torch.compile, with and without the stash, SAC)
     report.py    tables (torch.utils.benchmark.Compare and one plain table), JSON, PNGs
 
 Importing this package imports nothing else: import the module you need.

@@ -8,6 +8,7 @@
     --mode soak       irregular steps under both checkpointing modes, the stash empty after each: soak.py
     --mode dit        a diffusers Flux transformer at --tokens image tokens: dit.py
     --mode host       the host cost of the routing at tiny shapes, one thread: dit.py
+    --mode compile    the decoder under torch.compile, with and without the stash, SAC: compiled.py
 
 Every configuration of a run is measured side by side in one process (harness.py): interleaved
 rounds, set-up outside the clock, medians, loss and every gradient checked bitwise. Output: tables
@@ -23,7 +24,7 @@ from attnstash import budget
 from .harness import cpu_threads
 from .models import PRESETS, dtype_name, make_shape
 
-MODES = ("model", "layer", "profile", "seq-sweep", "soak", "dit", "host")
+MODES = ("model", "layer", "profile", "seq-sweep", "soak", "dit", "host", "compile")
 
 
 def _list(convert):
@@ -82,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--traces", action="store_true", help="profile mode: also write each Chrome trace (.json.gz)")
     p.add_argument("--threads", type=int, default=None, help="CPU intra-op threads (default 1 on CPU; 0: torch's)")
     p.add_argument("--pad", type=float, default=0.0, help="model mode: rows left-padded by up to this share of seq")
+    p.add_argument("--backend", choices=["inductor", "aot_eager"], default="inductor",
+                   help="compile mode: the torch.compile backend")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/bench", help="directory for the JSON and PNG ('' to write nothing)")
     args = p.parse_args(argv)
@@ -115,9 +118,10 @@ def main(argv=None):
     if shape.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"attnstash.bench: the {args.preset} preset runs on CUDA, which this torch cannot use; "
                          "pass --device cpu (and a smaller shape) to run it here.")
-    from . import decoder, dit, profile, soak
+    from . import compiled, decoder, dit, profile, soak
     run = {"model": decoder.model_mode, "layer": decoder.layer_mode, "profile": profile.profile_mode,
-           "seq-sweep": decoder.seq_sweep, "soak": soak.soak_mode, "dit": dit.dit_mode, "host": dit.host_mode}
+           "seq-sweep": decoder.seq_sweep, "soak": soak.soak_mode, "dit": dit.dit_mode, "host": dit.host_mode,
+           "compile": compiled.compile_mode}
     threads = args.threads if args.threads is not None else (1 if shape.device == "cpu" else 0)
     with cpu_threads(threads):
         return run[args.mode](shape, args, Path(args.out) if args.out else None)

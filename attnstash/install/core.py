@@ -9,9 +9,10 @@ checkpointed forward is reached one of two ways (LayerStash.reach):
     call from outside too: its grad mode and its output's graph.
   - MODULE_CALL: the checkpoint calls the layer module itself (diffusers' blocks, torch's
     checkpoint_wrapper, `torch.utils.checkpoint.checkpoint(block, x)` in a model's forward):
-    the layer's forward runs inside the checkpoint, and the stash wraps it (LayerForward).
-Either way every stashed layer's `forward` attribute is a LayerForward, which runs each of its
+    the layer's forward runs inside the checkpoint, and the stash wraps it (stashed_forward).
+Either way every stashed layer's `forward` attribute is stashed_forward, which runs each of its
 forwards in a frame (where no Run does) and refuses a training forward outside any checkpoint.
+While torch.compile traces a stashed layer, none of this runs: compiled.py says what does.
 (A transformers layer that another checkpoint wraps, torch's checkpoint_wrapper as FSDP recipes
 apply it, is reached as a MODULE_CALL: its own gradient_checkpointing is off.)
 
@@ -31,12 +32,14 @@ import functools
 import itertools
 import sys
 import threading
+import types
 import weakref
 
 import torch
 import torch.nn.functional as F
 
 from .. import ops
+from . import compiled
 from ..errors import CheckpointingError, KeepError, ReplayError, StashError
 from .layers import ATTR, CHECKPOINT_FUNCTION
 from .random_state import Rng, preserves_rng
@@ -51,12 +54,13 @@ _tls = threading.local()    # .frames: the frames this thread runs, innermost la
 
 class LayerStash:
     """One stashed layer: its index and name (for messages), how its checkpointed forward is
-    reached, its slots, and the attention calls of its last first forward that kept (None
+    reached, its class's forward, its slots, and the attention calls of its last first forward that kept (None
     before one; attention_layers prints it)."""
-    __slots__ = ("index", "name", "reach", "slot_base", "calls", "__weakref__")
+    __slots__ = ("index", "name", "reach", "slot_base", "calls", "forward", "__weakref__")
 
-    def __init__(self, index, name, reach):
+    def __init__(self, index, name, reach, forward=None):
         self.index, self.name, self.reach, self.calls = index, name, reach, None
+        self.forward = forward  # the layer class's forward function (what torch.compile traces: compiled.py)
         self.slot_base = next(_bases) << SLOT_BITS
         _live.add(self)
 
@@ -65,7 +69,7 @@ class LayerStash:
 
     def __deepcopy__(self, memo):
         # A deep copy of a stashed model has an install of its own, with slots of its own.
-        return LayerStash(self.index, self.name, self.reach)
+        return LayerStash(self.index, self.name, self.reach, self.forward)
 
 
 def stash_of(layer):
@@ -253,43 +257,44 @@ def release(records):
 
 # ---- how a stashed layer's forwards get their frames ---------------------------------------------
 
-class LayerForward:
-    """A stashed layer's `forward` (an attribute of the layer, so that it runs wherever the
-    layer's module call runs, inside its checkpoint or outside). It calls the forward the layer
-    had: the one set on the layer before the install (accelerate's hooks set one), else its
-    class's, looked up at each call (FSDP2 swaps the class)."""
-    __slots__ = ("layer", "previous")
+PREVIOUS = "_attnstash_forward"  # a stashed layer's forward set on it before the install, if one was
 
-    def __init__(self, layer):
-        self.layer, self.previous = layer, layer.__dict__.get("forward")
 
-    def original(self):
-        return self.previous if self.previous is not None else type(self.layer).forward.__get__(self.layer)
+def stashed_forward(layer, *args, **kwargs):
+    """A stashed layer's `forward`, bound to the layer in its __dict__ (so that it runs wherever
+    the layer's module call runs, inside its checkpoint or outside). It calls the forward the
+    layer had: the one set on the layer before the install (accelerate's hooks set one), else its
+    class's, looked up at each call (FSDP2 swaps the class). One function bound to each layer,
+    not an object per layer: torch.compile then compiles a model's layers as one code (an
+    object per layer would be a guard per layer, and a recompile of each)."""
+    previous = layer.__dict__.get(PREVIOUS)
+    if torch.compiler.is_compiling():  # traced: compiled.py
+        return compiled.layer_forward(layer, previous, args, kwargs)
+    forward = previous if previous is not None else type(layer).forward.__get__(layer)
+    return _eager_forward(layer, forward, args, kwargs)
 
-    # torch.compile runs a stashed layer as it is, eagerly: a graph break at the layer.
-    @torch.compiler.disable
-    def __call__(self, *args, **kwargs):
-        layer = self.layer
-        forward = self.original()
-        stash = layer.__dict__.get(ATTR)
-        if stash is None or _active(stash):  # not stashed, or inside its Run (which has the frame)
-            return forward(*args, **kwargs)
-        if stash.reach is CHECKPOINT_FUNCTION and layer.training:
-            if getattr(layer, "gradient_checkpointing", False):
-                return _reached_by_checkpoint_function(stash, layer, forward, args, kwargs)
-            if torch.is_grad_enabled() and not in_backward() and not _saved_tensor_hooks():
-                raise CheckpointingError(
-                    f"attnstash: {stash.name} is stashed, but checkpointing is off for it (its gradient_checkpointing "
-                    "is False: checkpointing disabled, or every_n_layers left it out, and no other checkpoint runs "
-                    "it), so there is no recompute to save and the stash could only cost memory. Enable "
-                    "checkpointing on every stashed layer (model.activation_checkpointing_enable(), "
-                    "gradient_checkpointing_enable() before transformers 5.23), or do not stash this one "
-                    "(num_layers, layers=).")
-        # Eval and generation: untouched; a recompute follows its first forward, whatever the
-        # training flag says by then.
-        if not layer.training and not in_backward():
-            return forward(*args, **kwargs)
-        return run_in_frame(open_frame(stash, anchor_of(stash, args, kwargs)), forward, args, kwargs)
+
+@torch.compiler.disable
+def _eager_forward(layer, forward, args, kwargs):
+    stash = layer.__dict__.get(ATTR)
+    if stash is None or _active(stash):  # not stashed, or inside its Run (which has the frame)
+        return forward(*args, **kwargs)
+    if stash.reach is CHECKPOINT_FUNCTION and layer.training:
+        if getattr(layer, "gradient_checkpointing", False):
+            return _reached_by_checkpoint_function(stash, layer, forward, args, kwargs)
+        if torch.is_grad_enabled() and not in_backward() and not _saved_tensor_hooks():
+            raise CheckpointingError(
+                f"attnstash: {stash.name} is stashed, but checkpointing is off for it (its gradient_checkpointing "
+                "is False: checkpointing disabled, or every_n_layers left it out, and no other checkpoint runs "
+                "it), so there is no recompute to save and the stash could only cost memory. Enable "
+                "checkpointing on every stashed layer (model.activation_checkpointing_enable(), "
+                "gradient_checkpointing_enable() before transformers 5.23), or do not stash this one "
+                "(num_layers, layers=).")
+    # Eval and generation: untouched; a recompute follows its first forward, whatever the
+    # training flag says by then.
+    if not layer.training and not in_backward():
+        return forward(*args, **kwargs)
+    return run_in_frame(open_frame(stash, anchor_of(stash, args, kwargs)), forward, args, kwargs)
 
 
 def _reached_by_checkpoint_function(stash, layer, forward, args, kwargs):
@@ -341,6 +346,8 @@ class CheckpointCall:
         self.stash, self.checkpoint = stash, checkpoint
 
     def __call__(self, fn, *args, **kwargs):
+        if torch.compiler.is_compiling():  # traced: compiled.py
+            return compiled.checkpoint_call(self.checkpoint, fn, args, kwargs)
         run = Run(self.stash, fn, torch.is_grad_enabled(), preserves_rng(self.checkpoint))
         out = self.checkpoint(run, *args, **kwargs)
         run.own(out)
@@ -420,21 +427,24 @@ class _Owner:
 
 def attach(layer, index, name, reach):
     """Stash one layer (the caller holds _lock and has patched the router)."""
-    forward = LayerForward(layer)
-    stash = LayerStash(index, name, reach)
+    stash = LayerStash(index, name, reach, type(layer).forward)
+    previous = layer.__dict__.get("forward")
+    if previous is not None:
+        layer.__dict__[PREVIOUS] = previous
     layer.__dict__[ATTR] = stash
-    layer.__dict__["forward"] = forward
+    layer.__dict__["forward"] = types.MethodType(stashed_forward, layer)
     return stash
 
 
 def detach(layer):
     stash = layer.__dict__.pop(ATTR, None)
     forward = layer.__dict__.get("forward")
-    if isinstance(forward, LayerForward):  # (one set over it since stays, and passes through)
-        if forward.previous is None:
+    if getattr(forward, "__func__", None) is stashed_forward:  # (one set over it since stays, and passes through)
+        previous = layer.__dict__.pop(PREVIOUS, None)
+        if previous is None:
             del layer.__dict__["forward"]
         else:
-            layer.__dict__["forward"] = forward.previous
+            layer.__dict__["forward"] = previous
     if stash is not None:
         _live.discard(stash)
 

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 from ..errors import InstallError
 
 from .. import budget, install, ops
+from ..install import compiled
 from ..install.layers import layer_count
 
 logger = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ class AttentionStashCallback(TrainerCallback):
     def _start_counting(self):
         stats = ops.stash_stats()
         self._last = {name: stats[name] for name in _COUNTERS}
-        self._run = {**self._last, "peak_bytes": 0}
+        self._run = {**self._last, "peak_bytes": 0, "compiled": compiled.saved_calls()}
         self._logged = False
         ops.stash_reset_peak()
 
@@ -185,7 +186,8 @@ class AttentionStashCallback(TrainerCallback):
         # The entry Trainer.log appended for these logs: a copy of them, so the same loss object.
         appended = isinstance(entry, dict) and entry.get("loss", None) is logs["loss"]
         figures = self.figures()
-        if not self._logged and not self._unstashed and not (figures[PREFIX + "keeps"] or figures[PREFIX + "declined"]):
+        traced = compiled.saved_calls() > self._run["compiled"]  # torch.compile saves instead (install/compiled.py)
+        if not (self._logged or self._unstashed or traced or figures[PREFIX + "keeps"] or figures[PREFIX + "declined"]):
             logger.warning(
                 "attnstash: the stash kept nothing since training began: "
                 + ("the trainer trains another model than the one it gave AttentionStashCallback "
@@ -219,6 +221,9 @@ class AttentionStashCallback(TrainerCallback):
         counts = ", ".join(f"{stats[name] - self._run[name]} {name}" for name in _COUNTERS)
         rank = os.environ.get("RANK")
         why = f"; {self._unstashed}" if self._unstashed else ""
+        traced = compiled.saved_calls() - self._run["compiled"]
+        if traced:
+            why += f"; torch.compile traced {traced} attention calls of stashed layers, whose graphs save them"
         return (f"attnstash{'' if rank is None else f' (rank {rank})'}: {len(self.layers or ())} layers stashed; "
                 f"{counts}; peak {peak:,} bytes held{why}")
 

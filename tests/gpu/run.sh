@@ -24,13 +24,16 @@
 #   layer       the same layer timed, interleaved rounds (layer.json)
 #   seq-sweep   sequence lengths 1k to 32k at that attention shape, batch 4 (seq_sweep.png)
 #   bench       a 4-layer model at that shape, one step per configuration (bench.png)
+#   compile     the 4-layer model under torch.compile (inductor): compiled checkpointing without and
+#               with the stash, compiled SAC, eager with the stash; graphs, attention forwards per
+#               step, step time (compile.json)
 #   dit         a Flux transformer (24 heads of 128, 512 text tokens) at 4096 and 16384 image
 #               tokens: no checkpointing, checkpointing, the stash, SAC (dit.json)
 #   pytest      the rest of the suite on this machine
 #
 # Under $OUT: summary.txt (one line per stage), results.tar.gz (every log, JSON and PNG,
 # refreshed after each stage), and the files read first: profile.md, layer.json, seq_sweep.png,
-# bench.png, dit.json.
+# bench.png, compile.json, dit.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$PWD/out/gpu}
@@ -53,7 +56,7 @@ failed=()
 
 collect() {  # the results so far into $OUT (the archive, and the files read first)
   tar -czf "$OUT/results.tar.gz.tmp" -C "$WORK" . && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"
-  for f in profile.md layer.json seq_sweep.png bench.png dit.json; do
+  for f in profile.md layer.json seq_sweep.png bench.png compile.json dit.json; do
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/$f"
   done
   return 0
@@ -119,6 +122,7 @@ stage profile 150 "${BENCH[@]}" --mode profile "${QUICK[@]}"
 stage layer 120 "${BENCH[@]}" --mode layer "${QUICK[@]}"
 stage seq-sweep 240 "${BENCH[@]}" --mode seq-sweep --seqs "$SEQS" --sweep-seconds "$SWEEP_SECONDS"
 stage bench 200 "${BENCH[@]}" "${QUICK[@]}"
+stage compile 240 "${BENCH[@]}" --mode compile "${QUICK[@]}"
 stage dit 200 "$PY" -m attnstash.bench --mode dit --device "$DEVICE" --out "$WORK" "${DIT[@]}" "${QUICK[@]}"
 stage pytest 300 $PY -m pytest tests/python -q -rs -p no:cacheprovider --ignore=tests/python/test_gpu_ops.py \
   --junitxml="$WORK/pytest.xml" "${PYTEST_REST[@]}"

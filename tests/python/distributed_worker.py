@@ -25,7 +25,8 @@ if HERE not in sys.path:
 
 STEPS = 3
 LAYERS = 3
-TORCH_SCENARIOS = ("ddp-llama", "ddp-qwen3_moe", "fsdp2-llama", "fsdp2-qwen3_moe", "fsdp2-torchtitan")
+TORCH_SCENARIOS = ("ddp-llama", "ddp-qwen3_moe", "fsdp2-llama", "fsdp2-qwen3_moe", "fsdp2-torchtitan",
+                   "fsdp2-torchtitancompiled")
 DEEPSPEED_SCENARIO = "deepspeed_zero3_lora-llama"
 
 
@@ -105,32 +106,46 @@ def _train_torch(wrapper, arch, stash, rank):
     return {"losses": losses, "grads": grads, "params": params, **stats}
 
 
-def _train_torchtitan(stash, rank):
+def _train_torchtitan(stash, rank, compiled=False):
     """A plain-PyTorch decoder as torchtitan trains one: each block wrapped by checkpoint_wrapper
-    (non-reentrant), then fully_shard on each wrapped block and on the model; the stash
-    installed before, finding the wrapped blocks by itself."""
+    (non-reentrant), then (compiled) each wrapped block compiled (block.compile(), aot_eager),
+    then fully_shard on each wrapped block and on the model; the stash installed after the
+    wrapping, finding the wrapped blocks by itself. Compiled: the graphs and call nodes dynamo
+    compiled, and the fused attention forwards of the last step."""
     import attnstash
+    import torch._dynamo
     from torch.distributed.fsdp import fully_shard
+    from compile_cases import Counting, attention_forwards
     from tiny_torch_models import gpt, ids, wrapped
 
+    torch._dynamo.reset()
     model = wrapped(gpt(layers=LAYERS, seed=0))
     if stash:
         assert attnstash.install_attention_stash(model) == list(range(LAYERS))
+    counting = Counting("aot_eager")
     for block in model.blocks:
+        if compiled:
+            block.compile(backend=counting)
         fully_shard(block)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     before = attnstash.stash_stats()
-    losses, grads = [], []
-    for step in range(STEPS):
-        tokens = ids(seed=1000 + 100 * step + rank)
+    losses, grads, forwards = [], [], None
+
+    def step(number):
+        tokens = ids(seed=1000 + 100 * number + rank)
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
         loss.backward()
         losses.append(loss.detach().clone())
         grads.append({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
-    stats = _stats_since(before)
+
+    for number in range(STEPS - 1):
+        step(number)
+    forwards = attention_forwards(lambda: step(STEPS - 1))
+    stats = {**_stats_since(before), "graphs": counting.graphs, "nodes": counting.nodes,
+             "attention_forwards": forwards}
     params = {n: _full(p) for n, p in model.named_parameters()}
     if stash:
         attnstash.uninstall_attention_stash(model)
@@ -202,8 +217,8 @@ def _train(scenario, stash, rank):
     wrapper, arch = scenario.split("-")
     if wrapper == "deepspeed_zero3_lora":
         return _train_deepspeed(arch, stash, rank)
-    if arch == "torchtitan":
-        return _train_torchtitan(stash, rank)
+    if arch.startswith("torchtitan"):
+        return _train_torchtitan(stash, rank, compiled=arch == "torchtitancompiled")
     return _train_torch(wrapper, arch, stash, rank)
 
 

@@ -62,14 +62,14 @@ def test_install_is_all_or_nothing(monkeypatch):
     from attnstash.install import core
     model = tiny_model("llama")
     before = module_state(model)
-    wrap = core.LayerForward.__init__
+    attach = core.attach
 
-    def refuse_the_third(self, layer):
+    def refuse_the_third(layer, *args):
         if layer is model.model.layers[2]:
             raise RuntimeError("refused")
-        wrap(self, layer)
+        return attach(layer, *args)
 
-    monkeypatch.setattr(core.LayerForward, "__init__", refuse_the_third)
+    monkeypatch.setattr(core, "attach", refuse_the_third)
     with pytest.raises(RuntimeError, match="refused"):
         attnstash.install_attention_stash(model, max_bytes=100)
     monkeypatch.undo()

@@ -35,3 +35,6 @@ with open(os.path.join(out, f"result-{rank}.json"), "w") as f:
                "losses": [h["loss"] for h in logs], "keeps": [h.get("attnstash/keeps") for h in logs],
                "replays": [h.get("attnstash/replays") for h in logs],
                "params": [params.sum().item(), params.abs().sum().item()]}, f)
+if dist.is_initialized():  # (left to interpreter exit, gloo's threads can abort a rank: "terminate called ...")
+    dist.barrier()
+    dist.destroy_process_group()

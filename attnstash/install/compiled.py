@@ -1,0 +1,129 @@
+"""A stashed layer while torch.compile traces it.
+
+Where dynamo traces an activation checkpoint (a whole model compiled, checkpoint calls inside
+it; a checkpoint-wrapped block compiled, as torchtitan does), the checkpoint becomes part of
+the compiled graph and compile's partitioner decides what the backward recomputes: the
+stash's eager frames, which keep and replay at run time, have nothing to act on there. So a
+stashed layer traced by dynamo runs its forward inside a selective activation checkpoint
+whose policy saves the fused attention forward ops (backends.KEPT_BACKENDS, forward_op) and
+lets everything else be recomputed, as the stash does in eager: the compiled backward reuses
+the saved attention output and log-sum-exp instead of running attention again, and the graph
+keeps every op it compiles without the stash. The layer choice (num_layers, layers=) is the
+install's; what differs from eager (README.md, Compatibility and Limits):
+  - the compiled graph holds the saved outputs as autograd does, so stash_stats() counts no
+    keeps or replays for them (saved_calls() counts what the compiled graphs save);
+  - a budget cannot demote inside a compiled graph: with one in force, tracing a stashed
+    layer raises CheckpointingError, and num_layers (planned with attnstash.plan) sizes it;
+  - a call PyTorch runs on its math backend is decomposed before the policy sees it, so it
+    is recomputed as without the stash (eager refuses it).
+"""
+import functools
+import warnings
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .. import backends
+from ..errors import CheckpointingError
+from .layers import ATTR, CHECKPOINT_FUNCTION
+
+KEPT_OPS = frozenset(row.forward_op for row in backends.KEPT_BACKENDS if row.forward_op is not None)
+_saved = [0]  # attention forwards the compiled graphs traced so far save (a count of traced calls)
+
+
+def saved_calls():
+    """How many attention calls of stashed layers the graphs compiled so far save (counted
+    when compile traces them, not per step): the stash at work where stash_stats() counts
+    nothing."""
+    return _saved[0]
+
+
+def _policy(ctx, op, *args, **kwargs):
+    """Runs while compile traces a stashed layer's region (not at run time): save the fused
+    attention forward, recompute the rest. One policy for every layer, so that the layers of a
+    model share their compiled code (a per-layer constant would make dynamo recompile each)."""
+    if op not in KEPT_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not ctx.is_recompute:
+        from ..budget import stash_max_bytes
+        limit = stash_max_bytes()
+        if limit is not None:
+            raise CheckpointingError(
+                f"attnstash: torch.compile traces a stashed layer with a budget in force ({limit:,} bytes): a budget "
+                "cannot demote or decline inside a compiled graph, which saves the attention output of every "
+                "stashed layer it traces. Size the stash by the number of layers instead: no max_bytes (and no "
+                "ATTNSTASH_MAX_BYTES), and num_layers set to what attnstash.plan(...) says fits.")
+        _saved[0] += 1
+    return CheckpointPolicy.MUST_SAVE
+
+
+CONTEXT = functools.partial(create_selective_checkpoint_contexts, _policy)
+"""The context_fn of every stashed layer's selective checkpoint under torch.compile."""
+
+
+def _selective(fn):
+    """fn run inside a selective checkpoint that saves its attention (CONTEXT), nested inside the
+    checkpoint that runs it: the inner region's policy decides for the ops it holds."""
+    def run(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=CONTEXT, **kwargs)
+    return run
+
+
+def layer_forward(layer, previous, args, kwargs):
+    """A stashed layer's forward as dynamo traces it (core.stashed_forward under torch.compile;
+    `previous`: the forward set on the layer before the install, or None):
+    a MODULE_CALL layer's, which its checkpoint calls, runs in the selective checkpoint; a
+    CHECKPOINT_FUNCTION layer's gets it from its checkpoint function (checkpoint_call), which may
+    run inside this forward (transformers 5.23 and later) or around it (before)."""
+    stash = layer.__dict__.get(ATTR)
+    # The forward the layer had: one set on it before the install, else its class's (read from
+    # the stash: dynamo cannot call a method looked up on some classes, those diffusers lets
+    # into graphs).
+    if stash is None:  # uninstalled, with a forward set over this one since (which passes through)
+        return (previous or type(layer).forward.__get__(layer))(*args, **kwargs)
+    forward = previous if previous is not None else functools.partial(stash.forward, layer)
+    if not layer.training or not torch.is_grad_enabled():
+        return forward(*args, **kwargs)  # eval, generation: untouched
+    if _inside_eager_checkpoint(type(layer).__name__):  # the layer compiled, its checkpoint not: plain
+        return forward(*args, **kwargs)
+    if stash.reach is not CHECKPOINT_FUNCTION:
+        return _selective(forward)(*args, **kwargs)
+    if not getattr(layer, "gradient_checkpointing", False):
+        raise CheckpointingError(
+            f"attnstash: {stash.name} is stashed, but checkpointing is off for it (its gradient_checkpointing is "
+            "False), so there is no recompute to save and the stash could only cost memory. Enable checkpointing "
+            "on every stashed layer, or do not stash this one (num_layers, layers=).")
+    return forward(*args, **kwargs)
+
+
+@torch.compiler.assume_constant_result
+def _inside_eager_checkpoint(layer_class):
+    """Whether dynamo traces the layer from inside an activation checkpoint that runs eagerly
+    (the layer compiled on its own, as by torch.compile(block) inside checkpoint(...) or
+    diffusers' compile_repeated_blocks): a recompute, or the first forward of a non-reentrant
+    checkpoint (its saved-tensor hooks). Evaluated once, as dynamo traces, from the eager state
+    it traces in. There the checkpoint reruns the whole compiled layer, attention included, and
+    no kept output can reach into the compiled graph: the stash saves nothing for the layer,
+    which runs as without it, and a warning says so once per layer class (its name, not the layer:
+    an argument per layer would make dynamo compile each layer apart)."""
+    inside = (torch._C._current_graph_task_id() != -1
+              or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+    if inside and layer_class not in _warned:
+        _warned.add(layer_class)
+        warnings.warn(
+            f"attnstash: stashed {layer_class} layers are compiled on their own inside an activation checkpoint that runs eagerly "
+            "(torch.compile of the layer, or diffusers' compile_repeated_blocks): the checkpoint reruns the whole "
+            "compiled layer, attention included, so the stash saves nothing for them (they train as without "
+            "the stash). Compile around the checkpoint instead: the whole model (torch.compile(model), "
+            "model.compile()), or the checkpoint-wrapped block (apply_activation_checkpointing, then "
+            "torch.compile of each wrapped block).", stacklevel=2)
+    return inside
+
+
+_warned = set()
+
+
+def checkpoint_call(checkpoint_function, fn, args, kwargs):
+    """A stashed CHECKPOINT_FUNCTION layer's checkpoint function as dynamo traces it
+    (core.CheckpointCall under torch.compile): fn runs in the selective checkpoint inside it."""
+    return checkpoint_function(_selective(fn), *args, **kwargs)

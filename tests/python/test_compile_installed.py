@@ -1,0 +1,222 @@
+"""torch.compile-traced training loops with the installer (attnstash/install/compiled.py): every
+way people compile checkpointed models keeps its compiled graphs with the stash, runs one
+attention forward per attention call per step instead of two, trains to the same losses and
+gradients as the same compiled configuration without the stash (bitwise), and leaves nothing
+held. Counted: the graphs dynamo hands the backend and their call nodes (compile_cases.Counting),
+and the fused attention forwards of a step (torch.profiler)."""
+import warnings
+
+import pytest
+import torch
+import torch._dynamo
+
+import attnstash
+import tiny_torch_models as plain
+from attnstash.install import compiled
+from compile_cases import Counting, attention_forwards, bitwise_equal
+
+MODES = ["non-reentrant", "reentrant"]
+
+
+def whole_model(fullgraph=False):
+    def compile_it(model, backend):
+        return torch.compile(model, backend=backend, fullgraph=fullgraph)
+    return compile_it
+
+
+def each_wrapped_block(how, fullgraph=False):
+    """torchtitan's order: checkpoint_wrapper on each block (done before the install), then each
+    wrapped block compiled: torch.compile(block) in its place, or block.compile()."""
+    def compile_it(model, backend):
+        for i, block in enumerate(model.blocks):
+            if how == "torch.compile":
+                model.blocks[i] = torch.compile(block, backend=backend, fullgraph=fullgraph)
+            else:
+                block.compile(backend=backend, fullgraph=fullgraph)
+        return model
+    return compile_it
+
+
+def nanogpt_runs(mode, use_stash, compile_it, backend="aot_eager", wrapped=False, steps=2):
+    """Training steps of the nanoGPT-style model (3 blocks, its forward checkpoints each; or its
+    blocks wrapped by checkpoint_wrapper), compiled by compile_it: (runs, attention forwards of
+    the last step, the counting backend)."""
+    torch._dynamo.reset()
+    model = plain.gpt(checkpointing=mode)
+    if wrapped:
+        plain.wrapped(model, mode)
+    if use_stash:
+        attnstash.install_attention_stash(model, layers=None if wrapped else plain.Block)
+    try:
+        counting = Counting(backend)
+        run = compile_it(model, counting)
+        ids = plain.ids()
+        runs = [plain.loss_and_grads(run, ids) for _ in range(steps - 1)]
+        forwards = attention_forwards(lambda: runs.append(plain.loss_and_grads(run, ids)))
+    finally:
+        if use_stash:
+            attnstash.uninstall_attention_stash(model)
+    return runs, forwards, counting
+
+
+def assert_compiled_and_saving(without, with_stash, calls):
+    (runs_a, forwards_a, counted_a), (runs_b, forwards_b, counted_b) = without, with_stash
+    assert counted_a.graphs >= 1 and counted_b.graphs >= counted_a.graphs, (counted_a.graphs, counted_b.graphs)
+    assert counted_b.nodes >= counted_a.nodes, (counted_a.nodes, counted_b.nodes)
+    assert forwards_a == 2 * calls and forwards_b == calls, (forwards_a, forwards_b)
+    assert bitwise_equal(runs_a, runs_b)
+    assert attnstash.stash_stats()["records"] == 0
+
+
+WAYS = {
+    "torch.compile(model)": (whole_model(), False),
+    "torch.compile(model, fullgraph=True)": (whole_model(fullgraph=True), False),
+    "wrapped, torch.compile(block)": (each_wrapped_block("torch.compile"), True),
+    "wrapped, block.compile()": (each_wrapped_block("block.compile"), True),
+    "wrapped, torch.compile(block, fullgraph=True)": (each_wrapped_block("torch.compile", fullgraph=True), True),
+}
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("way", list(WAYS))
+def test_a_compiled_checkpointed_model_keeps_its_graphs_and_runs_attention_once(way, mode):
+    compile_it, wrapped = WAYS[way]
+    saved = compiled.saved_calls()
+    without = nanogpt_runs(mode, False, compile_it, wrapped=wrapped)
+    with_stash = nanogpt_runs(mode, True, compile_it, wrapped=wrapped)
+    assert_compiled_and_saving(without, with_stash, calls=3)
+    assert compiled.saved_calls() > saved  # the compiled graphs save the stashed layers' attention
+    assert attnstash.stash_stats()["keeps"] >= 0  # (nothing the registry holds: checked above)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("way", ["torch.compile(model)", "wrapped, torch.compile(block)"])
+def test_with_inductor_too(way, mode):
+    compile_it, wrapped = WAYS[way]
+    without = nanogpt_runs(mode, False, compile_it, backend="inductor", wrapped=wrapped)
+    with_stash = nanogpt_runs(mode, True, compile_it, backend="inductor", wrapped=wrapped)
+    assert_compiled_and_saving(without, with_stash, calls=3)
+
+
+def test_the_layers_of_a_model_share_their_compiled_code():
+    # Each wrapped block compiled on its own: without the stash dynamo compiles one graph for
+    # the three (same code, the parameters as inputs); the stash must not make that one a block
+    # (a recompile per layer, and eager past dynamo's recompile limit).
+    compile_it, wrapped = WAYS["wrapped, torch.compile(block)"]
+    (_, _, counted_a), (_, _, counted_b) = (nanogpt_runs("non-reentrant", s, compile_it, wrapped=True)
+                                            for s in (False, True))
+    assert counted_a.graphs == counted_b.graphs == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_compiled_hugging_face_model_keeps_its_graph_and_runs_attention_once(mode):
+    # What Trainer(torch_compile=True) does: compile the whole model. Padded batch, both layers
+    # stashed: loss and gradients bitwise the compiled run without.
+    from tiny_models import batch, clone, loss_and_grads, tiny_model
+    base = tiny_model("llama", layers=2)
+    ids = batch(batch_size=2, seq=32)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    results = []
+    for use_stash in (False, True):
+        torch._dynamo.reset()
+        model = clone(base)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+        if use_stash:
+            attnstash.install_attention_stash(model)
+        try:
+            counting = Counting("aot_eager")
+            run = torch.compile(model, backend=counting)
+            runs = [loss_and_grads(run, ids, attention_mask=mask)]
+            forwards = attention_forwards(lambda: runs.append(loss_and_grads(run, ids, attention_mask=mask)))
+        finally:
+            if use_stash:
+                attnstash.uninstall_attention_stash(model)
+        results.append((runs, forwards, counting))
+    assert_compiled_and_saving(*results, calls=2)
+
+
+def test_a_compiled_diffusers_transformer_keeps_its_graph_and_runs_attention_once():
+    # diffusers' transformer.compile() (ModelMixin: torch.compile of the module call), its
+    # blocks checkpointed by the model (non-reentrant, its default).
+    tiny = pytest.importorskip("tiny_diffusers")
+    results = []
+    for use_stash in (False, True):
+        torch._dynamo.reset()
+        model, inputs = tiny.build("FluxTransformer2DModel")
+        model.enable_gradient_checkpointing()
+        if use_stash:
+            attnstash.install_attention_stash(model)
+        try:
+            counting = Counting("aot_eager")
+            model.compile(backend=counting)
+            runs = [tiny.loss_and_grads(model, inputs)]
+            forwards = attention_forwards(lambda: runs.append(tiny.loss_and_grads(model, inputs)))
+        finally:
+            if use_stash:
+                attnstash.uninstall_attention_stash(model)
+        results.append((runs, forwards, counting))
+    (_, forwards, _), _ = results
+    assert forwards % 2 == 0 and forwards
+    assert_compiled_and_saving(*results, calls=forwards // 2)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_compiled_inside_an_eager_checkpoint_keeps_its_graph_and_says_the_stash_saves_nothing(mode):
+    # The model's forward checkpoints each block eagerly and each block is compiled
+    # (block.compile(), as diffusers' compile_repeated_blocks does): the checkpoint reruns the
+    # whole compiled block, so no kept output can serve it. It stays compiled, trains as without
+    # the stash, and a warning says so.
+    def compile_blocks(model, backend):
+        for block in model.blocks:
+            block.compile(backend=backend)
+        return model
+
+    compiled._warned.discard("Block")
+    without = nanogpt_runs(mode, False, compile_blocks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with_stash = nanogpt_runs(mode, True, compile_blocks)
+    said = [str(w.message) for w in caught if "attnstash" in str(w.message)]
+    assert len(said) == 1 and "stashed Block layers are compiled on their own inside an activation checkpoint" in \
+        said[0] and "saves nothing for them" in said[0] and "Compile around the checkpoint instead" in said[0], said
+    (runs_a, forwards_a, counted_a), (runs_b, forwards_b, counted_b) = without, with_stash
+    assert (counted_b.graphs, counted_b.nodes) == (counted_a.graphs, counted_a.nodes)
+    assert forwards_a == forwards_b == 6 and bitwise_equal(runs_a, runs_b)
+    assert attnstash.stash_stats()["records"] == 0
+
+
+def test_a_budget_cannot_act_inside_a_compiled_graph_and_says_so():
+    torch._dynamo.reset()
+    model = plain.gpt(checkpointing="non-reentrant")
+    attnstash.install_attention_stash(model, layers=plain.Block, max_bytes="1MiB")
+    try:
+        with pytest.raises(Exception, match="a budget cannot demote or decline inside a compiled graph.*"
+                                            "num_layers set to what attnstash.plan"):
+            plain.loss_and_grads(torch.compile(model, backend="aot_eager"), plain.ids())
+    finally:
+        attnstash.uninstall_attention_stash(model)
+    assert attnstash.stash_max_bytes() is None and attnstash.stash_stats()["records"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_trainer_torch_compile_with_the_callback_trains_like_without_and_says_what_compile_saved(mode, tmp_path,
+                                                                                                  capfd):
+    # Trainer(torch_compile=True): the same logged losses and bitwise weights as the compiled run
+    # without the stash; no "kept nothing" warning (stash_stats counts nothing: the graphs save).
+    pytest.importorskip("peft")
+    from test_trainer import trainer_run
+    options = dict(reentrant=mode == "reentrant", torch_compile=True, torch_compile_backend="aot_eager")
+    torch._dynamo.reset()
+    plain_run = trainer_run(tmp_path / "plain", **options)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (other libraries')
+        run = trainer_run(tmp_path / "stash", callback=attnstash.AttentionStashCallback(), **options)
+    err = capfd.readouterr().err
+    assert run.losses == plain_run.losses and len(run.losses) == 4
+    assert all(torch.equal(plain_run.weights[n], run.weights[n]) for n in plain_run.weights)
+    assert "kept nothing" not in err
+    assert "attnstash: 3 layers stashed; 0 keeps, 0 replays, 0 declined; peak 0 bytes held; torch.compile traced" \
+           in err, err
+    assert attnstash.stash_stats()["records"] == 0
