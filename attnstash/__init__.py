@@ -14,22 +14,32 @@ normal recompute's.
     attnstash.StashError and its kinds                 what it raises (attnstash.errors)
 
 `import attnstash` registers the ops (it loads attnstash/_C); when they cannot load it warns
-with the reason and the command that fixes it, and every name that needs them raises that
+with the reason and the command that fixes it (not under `python -m attnstash.info` or
+`attnstash.planner`, which need no ops), and every name that needs them raises that
 ImportError. `python -m attnstash.info` prints the versions and the build in either case.
 """
 import importlib
+import sys
 import warnings
 
 from ._version import __version__
 from .errors import (ArgumentError, CheckpointingError, InstallError, KeepError, PlanError, ReplayError,
                      StashError, UnsupportedVersionError)
 
+def _own_command():
+    """Whether this process is `python -m attnstash.info` or `python -m attnstash.planner`,
+    which need no compiled ops and say what they find themselves (info prints this very reason)."""
+    argv = getattr(sys, "orig_argv", [])
+    return any(a == "-m" and b in ("attnstash.info", "attnstash.planner") for a, b in zip(argv, argv[1:]))
+
+
 try:
     from . import ops as _ops  # registers torch.ops.attnstash.* and their fake kernels
     _load_error = None
 except ImportError as e:
     _ops, _load_error = None, e
-    warnings.warn(str(e), stacklevel=2)
+    if not _own_command():
+        warnings.warn(str(e), stacklevel=2)
 
 # name -> the module that defines it; each is imported on first use.
 _EXPORTS = {

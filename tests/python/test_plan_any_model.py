@@ -95,8 +95,9 @@ def test_a_diffusers_config_without_the_latent_size_says_what_it_needs():
 def test_the_planner_runs_from_a_config_without_the_compiled_ops(tmp_path):
     shutil.copytree(ROOT / "attnstash", tmp_path / "attnstash", ignore=shutil.ignore_patterns("_C*", "__pycache__"))
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-W", "ignore", "-m", "attnstash.planner",
+    done = subprocess.run([sys.executable, "-m", "attnstash.planner",
                            str(ROOT / "examples/configs/Llama-3.1-8B.json"), "--batch", "1", "--seq", "128"],
                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "LlamaAttention" in done.stdout and "total, all 32 attention layers stashed" in done.stdout
+    assert done.stderr == ""  # the planner needs no ops: no warning that they cannot load
