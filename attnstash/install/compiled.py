@@ -89,11 +89,19 @@ def layer_forward(layer, previous, args, kwargs):
     if stash.reach is not CHECKPOINT_FUNCTION:
         return _selective(forward)(*args, **kwargs)
     if not getattr(layer, "gradient_checkpointing", False):
-        raise CheckpointingError(
-            f"attnstash: {stash.name} is stashed, but checkpointing is off for it (its gradient_checkpointing is "
-            "False), so there is no recompute to save and the stash could only cost memory. Enable checkpointing "
-            "on every stashed layer, or do not stash this one (num_layers, layers=).")
+        raise checkpointing_off(stash)
     return forward(*args, **kwargs)
+
+
+def checkpointing_off(stash):
+    """The refusal of a training forward of a CHECKPOINT_FUNCTION layer whose checkpointing is
+    off (eager, core.py, and traced alike)."""
+    return CheckpointingError(
+        f"attnstash: {stash.name} is stashed, but checkpointing is off for it (its gradient_checkpointing is False: "
+        "checkpointing disabled, or every_n_layers left it out, and no other checkpoint runs it), so there is no "
+        "recompute to save and the stash could only cost memory. Enable checkpointing on every stashed layer "
+        "(model.activation_checkpointing_enable(), gradient_checkpointing_enable() before transformers 5.23), or "
+        "do not stash this one (num_layers, layers=).")
 
 
 @torch.compiler.assume_constant_result
@@ -106,8 +114,8 @@ def _inside_eager_checkpoint(layer_class):
     no kept output can reach into the compiled graph: the stash saves nothing for the layer,
     which runs as without it, and a warning says so once per layer class (its name, not the layer:
     an argument per layer would make dynamo compile each layer apart)."""
-    inside = (torch._C._current_graph_task_id() != -1
-              or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+    from .core import in_backward, saved_tensor_hooks_active  # (core imports this module)
+    inside = in_backward() or saved_tensor_hooks_active()
     if inside and layer_class not in _warned:
         _warned.add(layer_class)
         warnings.warn(

@@ -80,7 +80,7 @@ def in_backward():
     return torch._C._current_graph_task_id() != -1
 
 
-def _saved_tensor_hooks():
+def saved_tensor_hooks_active():
     return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
@@ -189,7 +189,7 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None):
     if in_backward():  # a recompute: it routes what its first forward routed
         keep = grad and limit != 0
         return Frame(stash, anchor, keep, first=False, limit=limit, rng=Rng.recompute() if keep else None)
-    hooks = _saved_tensor_hooks()
+    hooks = saved_tensor_hooks_active()
     if grad and not hooks:
         raise CheckpointingError(
             f"attnstash: {stash.name} is stashed, but its training forward runs outside any activation checkpoint "
@@ -282,14 +282,8 @@ def _eager_forward(layer, forward, args, kwargs):
     if stash.reach is CHECKPOINT_FUNCTION and layer.training:
         if getattr(layer, "gradient_checkpointing", False):
             return _reached_by_checkpoint_function(stash, layer, forward, args, kwargs)
-        if torch.is_grad_enabled() and not in_backward() and not _saved_tensor_hooks():
-            raise CheckpointingError(
-                f"attnstash: {stash.name} is stashed, but checkpointing is off for it (its gradient_checkpointing "
-                "is False: checkpointing disabled, or every_n_layers left it out, and no other checkpoint runs "
-                "it), so there is no recompute to save and the stash could only cost memory. Enable "
-                "checkpointing on every stashed layer (model.activation_checkpointing_enable(), "
-                "gradient_checkpointing_enable() before transformers 5.23), or do not stash this one "
-                "(num_layers, layers=).")
+        if torch.is_grad_enabled() and not in_backward() and not saved_tensor_hooks_active():
+            raise compiled.checkpointing_off(stash)
     # Eval and generation: untouched; a recompute follows its first forward, whatever the
     # training flag says by then.
     if not layer.training and not in_backward():

@@ -86,7 +86,6 @@ def test_a_compiled_checkpointed_model_keeps_its_graphs_and_runs_attention_once(
     with_stash = nanogpt_runs(mode, True, compile_it, wrapped=wrapped)
     assert_compiled_and_saving(without, with_stash, calls=3)
     assert compiled.saved_calls() > saved  # the compiled graphs save the stashed layers' attention
-    assert attnstash.stash_stats()["keeps"] >= 0  # (nothing the registry holds: checked above)
 
 
 @pytest.mark.parametrize("mode", MODES)
