@@ -219,3 +219,23 @@ def test_trainer_torch_compile_with_the_callback_trains_like_without_and_says_wh
     assert "attnstash: 3 layers stashed; 0 keeps, 0 replays, 0 declined; peak 0 bytes held; torch.compile traced" \
            in err, err
     assert attnstash.stash_stats()["records"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_under_autocast_bf16_with_fp32_weights_too(mode):
+    # Mixed precision: the attention op the policy saves is the one autocast casts for; bitwise.
+    class Autocast(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens, mask=None):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.model(tokens, mask).float()
+
+    def autocast_step(model, backend):
+        return torch.compile(Autocast(model), backend=backend)
+
+    without = nanogpt_runs(mode, False, autocast_step)
+    with_stash = nanogpt_runs(mode, True, autocast_step)
+    assert_compiled_and_saving(without, with_stash, calls=3)
