@@ -9,13 +9,15 @@ whose policy saves the fused attention forward ops (backends.KEPT_BACKENDS, forw
 lets everything else be recomputed, as the stash does in eager: the compiled backward reuses
 the saved attention output and log-sum-exp instead of running attention again, and the graph
 keeps every op it compiles without the stash. The layer choice (num_layers, layers=) is the
-install's; what differs from eager (README.md, Compatibility and Limits):
+install's; what differs from eager (README.md, "Under torch.compile"):
   - the compiled graph holds the saved outputs as autograd does, so stash_stats() counts no
     keeps or replays for them (saved_calls() counts what the compiled graphs save);
   - a budget cannot demote inside a compiled graph: with one in force, tracing a stashed
     layer raises CheckpointingError, and num_layers (planned with attnstash.plan) sizes it;
   - a call PyTorch runs on its math backend is decomposed before the policy sees it, so it
-    is recomputed as without the stash (eager refuses it).
+    is recomputed as without the stash (eager refuses it);
+  - a layer compiled on its own inside a checkpoint that runs eagerly saves nothing, and is
+    said to (_inside_eager_checkpoint).
 """
 import functools
 import warnings
@@ -119,12 +121,12 @@ def _inside_eager_checkpoint(layer_class):
     if inside and layer_class not in _warned:
         _warned.add(layer_class)
         warnings.warn(
-            f"attnstash: stashed {layer_class} layers are compiled on their own inside an activation checkpoint that runs eagerly "
-            "(torch.compile of the layer, or diffusers' compile_repeated_blocks): the checkpoint reruns the whole "
-            "compiled layer, attention included, so the stash saves nothing for them (they train as without "
-            "the stash). Compile around the checkpoint instead: the whole model (torch.compile(model), "
-            "model.compile()), or the checkpoint-wrapped block (apply_activation_checkpointing, then "
-            "torch.compile of each wrapped block).", stacklevel=2)
+            f"attnstash: stashed {layer_class} layers are compiled on their own inside an activation checkpoint "
+            "that runs eagerly (torch.compile of the layer, or diffusers' compile_repeated_blocks): the checkpoint "
+            "reruns the whole compiled layer, attention included, so the stash saves nothing for them (they "
+            "train as without the stash). Compile around the checkpoint instead: the whole model "
+            "(torch.compile(model), model.compile()), or the checkpoint-wrapped block "
+            "(apply_activation_checkpointing, then torch.compile of each wrapped block).", stacklevel=2)
     return inside
 
 
