@@ -165,17 +165,21 @@ def attention_dropout(model, layer, name):
     return None
 
 
+def _top(model, config_class):
+    """The outermost module of the model that carries a transformers config (the model, or the
+    one a PEFT wrapper holds), or None."""
+    return next((m for m in model.modules() if isinstance(getattr(m, "config", None), config_class)), None)
+
+
 def _config_path(model, config, config_class):
     """The attribute path from a model's config to `config` ("" for the model's own)."""
-    roots = [m.config for m in model.modules() if isinstance(getattr(m, "config", None), config_class)]
-    for root in roots[:1]:
-        stack = [("", root)]
-        while stack:
-            path, node = stack.pop()
-            if node is config:
-                return path
-            stack.extend((f"{path}.{k}" if path else k, v) for k, v in vars(node).items()
-                         if isinstance(v, config_class))
+    top = _top(model, config_class)
+    stack = [] if top is None else [("", top.config)]
+    while stack:
+        path, node = stack.pop()
+        if node is config:
+            return path
+        stack.extend((f"{path}.{k}" if path else k, v) for k, v in vars(node).items() if isinstance(v, config_class))
     return ""
 
 
@@ -186,7 +190,7 @@ def dropout_refusal(model, layers):
     if not hits:
         return None
     index, f, (where, field, value) = hits[0]
-    top = next((m for m in model.modules() if isinstance(getattr(m, "config", None), _config_class())), model)
+    top = _top(model, _config_class()) or model
     others = f" and {len(hits) - 1} more of the layers to stash" if len(hits) > 1 else ""
     if where:
         fix = (f"config = AutoConfig.from_pretrained(...); config.{where}.{field} = 0.0; "
