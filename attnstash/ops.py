@@ -170,9 +170,11 @@ def _fake_output(query, key, value, anchor, slot, attn_mask=None, dropout_p=0.0,
 
 torch.library.register_fake("attnstash::sdpa_fwd_keep")(_fake_output)
 torch.library.register_fake("attnstash::sdpa_replay")(_fake_output)
+torch.library.register_fake("attnstash::_sdpa_compiled")(_fake_output)
 
 
 @torch.library.register_fake("attnstash::_replay_take")
+@torch.library.register_fake("attnstash::_keep_or_take")
 def _replay_take_fake(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     row = _fake_row(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     out, lse, extra = row.forward(query, key, value, backends.as_fused_mask(attn_mask, query), is_causal, scale)

@@ -225,6 +225,13 @@ Phase phase_of(const SdpaCall& call, const at::Tensor& anchor) {
   return hooks && any_requires_grad(call) ? Phase::non_reentrant_first_forward : Phase::plain;
 }
 
+Phase compiled_phase_of(const SdpaCall& call, const at::Tensor& anchor) {
+  if (is_empty(call) || c10::InferenceMode::is_enabled()) return Phase::plain;
+  if (inside_backward()) return Phase::recompute;
+  if (!at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) return Phase::non_reentrant_first_forward;
+  return anchor.requires_grad() ? Phase::reentrant_first_forward : Phase::plain;
+}
+
 std::optional<at::Tensor> fused_attn_mask(const std::optional<at::Tensor>& mask, const at::Tensor& query,
                                           const SdpaBackend& backend) {
   if (!mask.has_value() || mask->scalar_type() != at::kBool) return mask;
@@ -243,6 +250,11 @@ KeptAttention run_forward(const SdpaBackend& backend, const SdpaCall& c) {
   KeptAttention kept = backend.forward({c.query, c.key, c.value, mask, c.dropout_p, c.is_causal, c.scale, c.enable_gqa});
   kept.backend = &backend;
   return kept;
+}
+
+KeptAttention run_kept_backend(const SdpaCall& c, const char* op) {
+  check_keepable(c, op);
+  return run_forward(backend_for_keep(c, op), c);
 }
 
 KeptForward keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t slot, bool non_reentrant) {

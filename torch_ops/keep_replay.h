@@ -26,6 +26,13 @@ enum class Phase {
 };
 Phase phase_of(const SdpaCall& call, const at::Tensor& anchor);
 
+// The phase of a call in a graph torch.compile traced inside an activation checkpoint that
+// runs eagerly (attnstash::_sdpa_compiled), decided when the graph runs. Grad mode says
+// nothing there (a compiled graph's forward runs with grad off), so: empty or in inference
+// mode, plain; inside backward, recompute; under saved-tensor hooks, non_reentrant_first_forward;
+// with an anchor that requires grad, reentrant_first_forward; anything else plain.
+Phase compiled_phase_of(const SdpaCall& call, const at::Tensor& anchor);
+
 // Whether query, key or value has a size 0: such a call is plain in every phase (and so
 // is its replay), as F.sdpa returns for it.
 bool is_empty(const SdpaCall& call);
@@ -41,6 +48,11 @@ std::optional<at::Tensor> fused_attn_mask(const std::optional<at::Tensor>& mask,
 // The backend's forward for this call, as F.sdpa would run it (the mask made as F.sdpa
 // makes it), with its log-sum-exp.
 KeptAttention run_forward(const SdpaBackend& backend, const SdpaCall& call);
+
+// run_forward with the kept backend F.sdpa would choose, keeping nothing: a call whose node
+// needs the log-sum-exp for its backward (_sdpa_compiled outside any checkpoint). Refused
+// as keep_forward refuses (`op` names the op in the message).
+KeptAttention run_kept_backend(const SdpaCall& call, const char* op);
 
 // What a first forward kept.
 struct KeptForward {

@@ -48,6 +48,19 @@ TORCH_LIBRARY(attnstash, m) {
       "Tensor logsumexp, Tensor info, Tensor[] extra, float dropout_p, bool is_causal, float? scale, bool enable_gqa) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
 
+  // sdpa_fwd_keep for a layer that torch.compile traces inside an activation checkpoint that
+  // runs eagerly (attnstash/install/compiled.py): what it does is decided when the compiled
+  // graph runs, by _keep_or_take, and its node's backward is the kept backend's derivative ...
+  m.def(
+      "_sdpa_compiled(Tensor query, Tensor key, Tensor value, Tensor anchor, int slot, Tensor? attn_mask, "
+      "float dropout_p, bool is_causal, float? scale, bool enable_gqa) -> Tensor");
+  // ... and that decision (keep_replay.h, compiled_phase_of), with _replay_take's outputs: a
+  // recompute takes what its first forward kept, a first forward keeps, anything else attends.
+  m.def(
+      "_keep_or_take(Tensor query, Tensor key, Tensor value, Tensor anchor, int slot, Tensor? attn_mask, "
+      "float dropout_p, bool is_causal, float? scale, bool enable_gqa) -> (Tensor output, Tensor logsumexp, "
+      "Tensor info, Tensor[] extra)");
+
   // The stash itself (Python: attnstash/ops.py). Its counters by name, as
   // csrc/stash_registry.h's STASH_STATS_FIELDS defines them (max_bytes -1: no budget) ...
   m.def("stash_stats() -> Dict(str, int)", &attnstash::records::stats);

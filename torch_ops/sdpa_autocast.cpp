@@ -1,4 +1,4 @@
-// The AutocastCPU and AutocastCUDA dispatch keys: under torch.autocast both ops see their
+// The AutocastCPU and AutocastCUDA dispatch keys: under torch.autocast the attention ops see their
 // inputs as F.scaled_dot_product_attention does. F.sdpa is on autocast's lower-precision
 // list: every floating query, key, value and mask on the autocast device (float64 aside)
 // is cast to the autocast dtype before any backend is chosen. The anchor is not cast: it
@@ -42,16 +42,26 @@ at::Tensor sdpa_replay_autocast(const at::Tensor& query, const at::Tensor& key, 
                            is_causal, scale, enable_gqa);
 }
 
+template <c10::DeviceType device>
+at::Tensor sdpa_compiled_autocast(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                  const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
+                                  double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  return call_cast<device>("attnstash::_sdpa_compiled", query, key, value, anchor, slot, attn_mask, dropout_p,
+                           is_causal, scale, enable_gqa);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(attnstash, AutocastCPU, m) {
   m.impl("sdpa_fwd_keep", &sdpa_fwd_keep_autocast<c10::DeviceType::CPU>);
   m.impl("sdpa_replay", &sdpa_replay_autocast<c10::DeviceType::CPU>);
+  m.impl("_sdpa_compiled", &sdpa_compiled_autocast<c10::DeviceType::CPU>);
 }
 
 TORCH_LIBRARY_IMPL(attnstash, AutocastCUDA, m) {
   m.impl("sdpa_fwd_keep", &sdpa_fwd_keep_autocast<c10::DeviceType::CUDA>);
   m.impl("sdpa_replay", &sdpa_replay_autocast<c10::DeviceType::CUDA>);
+  m.impl("_sdpa_compiled", &sdpa_compiled_autocast<c10::DeviceType::CUDA>);
 }
 
 }  // namespace attnstash

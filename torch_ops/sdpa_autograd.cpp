@@ -42,27 +42,31 @@ c10::OperatorHandle op_named(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
+using TakeOp = std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+    const std::optional<at::Tensor>&, double, bool, std::optional<double>, bool);
+
 // Reentrant checkpointing: the recompute's own nodes run backward. This one returns the
 // kept output as a node of the recompute's graph: its forward never runs attention (it
-// takes from the stash; a declined record runs the kept backend's forward, as the normal
-// recompute would), its backward calls the kept backend's backward with the recompute's
-// query/key/value and the kept output and log-sum-exp, as PyTorch's derivative does. Both
-// halves are ops, so torch.compile can trace the node.
+// takes from the stash, _replay_take; a declined record runs the kept backend's forward, as
+// the normal recompute would), its backward calls the kept backend's backward with the
+// recompute's query/key/value and the kept output and log-sum-exp, as PyTorch's derivative
+// does. Both halves are ops, so torch.compile can trace the node. With `decided_at_run_time`
+// its forward is _keep_or_take instead (_sdpa_compiled: a graph that keeps in its first
+// forward and takes in its recompute, where the compiled backward is this node's).
 struct ReentrantReplayFunction : public torch::autograd::Function<ReentrantReplayFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& query, const at::Tensor& key,
                             const at::Tensor& value, const at::Tensor& anchor, int64_t slot,
                             const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-                            std::optional<double> scale, bool enable_gqa) {
-    static auto take = op_named("attnstash::_replay_take")
-                           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>>(
-                               const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                               const std::optional<at::Tensor>&, double, bool, std::optional<double>, bool)>();
+                            std::optional<double> scale, bool enable_gqa, bool decided_at_run_time) {
+    static auto take = op_named("attnstash::_replay_take").typed<TakeOp>();
+    static auto keep_or_take = op_named("attnstash::_keep_or_take").typed<TakeOp>();
     at::Tensor output, logsumexp, info;
     std::vector<at::Tensor> extra;
     {
       at::AutoDispatchBelowADInplaceOrView below_autograd;
-      std::tie(output, logsumexp, info, extra) =
-          take.call(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+      std::tie(output, logsumexp, info, extra) = (decided_at_run_time ? keep_or_take : take)
+          .call(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
     }
     // The caller's mask, as it came: _replay_backward makes it what the kept backend got.
     // (Saving the additive one would hold a new [B, 1, Sq, Sk] tensor until backward.)
@@ -81,7 +85,7 @@ struct ReentrantReplayFunction : public torch::autograd::Function<ReentrantRepla
                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                 const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                 at::TensorList, double, bool, std::optional<double>, bool)>();
-    variable_list grad_inputs(10);  // one per forward argument; anchor and mask get none
+    variable_list grad_inputs(11);  // one per forward argument; only query, key and value get one
     const at::Tensor& grad = grads[0];
     if (!grad.defined()) return grad_inputs;  // the fused backwards do not check this themselves
     variable_list saved = ctx->get_saved_variables();
@@ -188,7 +192,23 @@ at::Tensor sdpa_replay_autograd(const at::Tensor& query, const at::Tensor& key, 
   SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
   if (is_empty(call)) return sdpa_plain(call);  // never kept, so never replayed: F.sdpa's own graph
   return ReentrantReplayFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
-                                        enable_gqa);
+                                        enable_gqa, /*decided_at_run_time=*/false);
+}
+
+// A layer compiled inside an eager checkpoint (attnstash/install/compiled.py): traced with
+// grad on, one node whose forward keeps or takes when the graph runs; with grad off (a
+// reentrant checkpoint's first forward), no node.
+at::Tensor sdpa_compiled_autograd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                  const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
+                                  double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  if (is_empty(call)) return sdpa_plain(call);
+  if (at::GradMode::is_enabled() && (query.requires_grad() || key.requires_grad() || value.requires_grad()))
+    return ReentrantReplayFunction::apply(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale,
+                                          enable_gqa, /*decided_at_run_time=*/true);
+  static auto op = op_named("attnstash::_sdpa_compiled").typed<decltype(sdpa_compiled_autograd)>();
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return op.call(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
 }
 
 at::Tensor sdpa_fwd_keep_autograd(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -240,6 +260,7 @@ at::Tensor sdpa_fwd_keep_autograd(const at::Tensor& query, const at::Tensor& key
 TORCH_LIBRARY_IMPL(attnstash, Autograd, m) {
   m.impl("sdpa_fwd_keep", &sdpa_fwd_keep_autograd);
   m.impl("sdpa_replay", &sdpa_replay_autograd);
+  m.impl("_sdpa_compiled", &sdpa_compiled_autograd);
 }
 
 }  // namespace attnstash

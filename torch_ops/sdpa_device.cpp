@@ -38,12 +38,11 @@ at::Tensor sdpa_replay_kernel(const at::Tensor& query, const at::Tensor& key, co
   return attention_of(take_for_replay(call, anchor, slot), call).output;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> replay_take_kernel(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& anchor, int64_t slot,
-    const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal, std::optional<double> scale,
-    bool enable_gqa) {
-  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
-  KeptAttention kept = attention_of(take_for_replay(call, anchor, slot), call);
+using Taken = std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>>;
+
+// What a node's forward takes, as ops return it: output, log-sum-exp, CPU int64 [backend,
+// max_q, max_k, bitmask of defined extras], extras.
+Taken as_taken(KeptAttention kept, const at::Tensor& query) {
   // A Tensor[] cannot hold undefined tensors: stand in empty ones and record which.
   int64_t defined = 0;
   for (size_t i = 0; i < kept.extra.size(); ++i) {
@@ -53,6 +52,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> replay_t
   at::Tensor info =
       at::tensor({static_cast<int64_t>(kept.backend->id), kept.max_q, kept.max_k, defined}, at::kLong);
   return {kept.output, kept.logsumexp, info, kept.extra};
+}
+
+Taken replay_take_kernel(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
+                         double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  return as_taken(attention_of(take_for_replay(call, anchor, slot), call), query);
+}
+
+// The attention of a compiled call, by its phase when the graph runs (compiled_phase_of).
+KeptAttention compiled_attention(const SdpaCall& call, const at::Tensor& anchor, int64_t slot) {
+  switch (compiled_phase_of(call, anchor)) {
+    case Phase::recompute:
+      return attention_of(take_for_replay(call, anchor, slot), call);
+    case Phase::non_reentrant_first_forward:
+    case Phase::reentrant_first_forward:
+      // Held for the anchor's life, as a reentrant first forward's: its recompute takes it.
+      return keep_forward(call, anchor, slot, /*non_reentrant=*/false).attention;
+    case Phase::plain:
+      break;
+  }
+  return run_kept_backend(call, "_sdpa_compiled");
+}
+
+Taken keep_or_take_kernel(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
+                          double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  return as_taken(compiled_attention(call, anchor, slot), query);
+}
+
+// Without autograd (a graph traced with grad off: a reentrant checkpoint's first forward).
+at::Tensor sdpa_compiled_kernel(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
+                                double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
+  if (compiled_phase_of(call, anchor) == Phase::plain) return sdpa_plain(call);  // no node: no log-sum-exp needed
+  return compiled_attention(call, anchor, slot).output;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_backward_kernel(
@@ -87,6 +124,8 @@ void register_device_kernels(torch::Library& m) {
   m.impl("sdpa_replay", &sdpa_replay_kernel);
   m.impl("_replay_take", &replay_take_kernel);
   m.impl("_replay_backward", &replay_backward_kernel);
+  m.impl("_sdpa_compiled", &sdpa_compiled_kernel);
+  m.impl("_keep_or_take", &keep_or_take_kernel);
 }
 
 }  // namespace

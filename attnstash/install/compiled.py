@@ -15,12 +15,19 @@ install's; what differs from eager (README.md, "Under torch.compile"):
   - a budget cannot demote inside a compiled graph: with one in force, tracing a stashed
     layer raises CheckpointingError, and num_layers (planned with attnstash.plan) sizes it;
   - a call PyTorch runs on its math backend is decomposed before the policy sees it, so it
-    is recomputed as without the stash (eager refuses it);
-  - a layer compiled on its own inside a checkpoint that runs eagerly saves nothing, and is
-    said to (_inside_eager_checkpoint).
+    is recomputed as without the stash (eager refuses it).
+A layer compiled on its own inside a checkpoint that runs eagerly (torch.compile(block) inside
+checkpoint(...), diffusers' compile_repeated_blocks) is different: that checkpoint reruns the
+whole compiled layer, so no policy inside the graph can spare its attention. There the layer's
+attention calls are traced as attnstash::_sdpa_compiled on the layer's input (the op decides as
+the graph runs, by torch_ops/keep_replay.h's compiled_phase_of, whether it keeps, takes or just
+attends), and the registry keeps and replays as in eager (_eager_checkpoint_forward). Its
+slots are its class's, not its own, so that the layers of a class share their compiled code;
+its recompute's random state is not checked (random_state.py cannot run inside a graph: the
+checkpoint's preserve_rng_state restores it); what a forward dropped without a backward kept
+goes when its layer input is freed (no node of ours owns it).
 """
 import functools
-import warnings
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -76,7 +83,8 @@ def layer_forward(layer, previous, args, kwargs):
     `previous`: the forward set on the layer before the install, or None):
     a MODULE_CALL layer's, which its checkpoint calls, runs in the selective checkpoint; a
     CHECKPOINT_FUNCTION layer's gets it from its checkpoint function (checkpoint_call), which may
-    run inside this forward (transformers 5.23 and later) or around it (before)."""
+    run inside this forward (transformers 5.23 and later) or around it (before); a layer
+    compiled inside an eager checkpoint routes its attention to the ops (_eager_checkpoint_forward)."""
     stash = layer.__dict__.get(ATTR)
     # The forward the layer had: one set on it before the install, else its class's (read from
     # the stash: dynamo cannot call a method looked up on some classes, those diffusers lets
@@ -84,10 +92,14 @@ def layer_forward(layer, previous, args, kwargs):
     if stash is None:  # uninstalled, with a forward set over this one since (which passes through)
         return (previous or type(layer).forward.__get__(layer))(*args, **kwargs)
     forward = previous if previous is not None else functools.partial(stash.forward, layer)
-    if not layer.training or not torch.is_grad_enabled():
+    if not layer.training:
         return forward(*args, **kwargs)  # eval, generation: untouched
-    if _inside_eager_checkpoint(type(layer).__name__):  # the layer compiled, its checkpoint not: plain
+    if not torch.is_grad_enabled():  # a reentrant checkpoint's first forward, or no_grad: plain
+        if _anchor_requires_grad(stash, args, kwargs):
+            return _eager_checkpoint_forward(layer, forward, args, kwargs)
         return forward(*args, **kwargs)
+    if _inside_eager_checkpoint():  # the layer compiled, its checkpoint not
+        return _eager_checkpoint_forward(layer, forward, args, kwargs)
     if stash.reach is not CHECKPOINT_FUNCTION:
         return _selective(forward)(*args, **kwargs)
     if not getattr(layer, "gradient_checkpointing", False):
@@ -107,30 +119,78 @@ def checkpointing_off(stash):
 
 
 @torch.compiler.assume_constant_result
-def _inside_eager_checkpoint(layer_class):
-    """Whether dynamo traces the layer from inside an activation checkpoint that runs eagerly
-    (the layer compiled on its own, as by torch.compile(block) inside checkpoint(...) or
+def _inside_eager_checkpoint():
+    """Whether dynamo traces the layer, grad on, from inside an activation checkpoint that runs
+    eagerly (the layer compiled on its own, as by torch.compile(block) inside checkpoint(...) or
     diffusers' compile_repeated_blocks): a recompute, or the first forward of a non-reentrant
     checkpoint (its saved-tensor hooks). Evaluated once, as dynamo traces, from the eager state
-    it traces in. There the checkpoint reruns the whole compiled layer, attention included, and
-    no kept output can reach into the compiled graph: the stash saves nothing for the layer,
-    which runs as without it, and a warning says so once per layer class (its name, not the layer:
-    an argument per layer would make dynamo compile each layer apart)."""
+    it traces in."""
     from .core import in_backward, saved_tensor_hooks_active  # (core imports this module)
-    inside = in_backward() or saved_tensor_hooks_active()
-    if inside and layer_class not in _warned:
-        _warned.add(layer_class)
-        warnings.warn(
-            f"attnstash: stashed {layer_class} layers are compiled on their own inside an activation checkpoint "
-            "that runs eagerly (torch.compile of the layer, or diffusers' compile_repeated_blocks): the checkpoint "
-            "reruns the whole compiled layer, attention included, so the stash saves nothing for them (they "
-            "train as without the stash). Compile around the checkpoint instead: the whole model "
-            "(torch.compile(model), model.compile()), or the checkpoint-wrapped block "
-            "(apply_activation_checkpointing, then torch.compile of each wrapped block).", stacklevel=2)
-    return inside
+    return in_backward() or saved_tensor_hooks_active()
 
 
-_warned = set()
+def _anchor_requires_grad(stash, args, kwargs):
+    """With grad off: whether this is a reentrant checkpoint's first forward (its input requires
+    grad; dynamo guards on that), as opposed to a forward under no_grad."""
+    from .core import anchor_of  # (core imports this module)
+    return anchor_of(stash, args, kwargs).requires_grad
+
+
+_traced = []  # [anchor, slot base, calls so far] of each layer traced by _eager_checkpoint_forward, innermost last
+
+
+def _eager_checkpoint_forward(layer, forward, args, kwargs):
+    """A layer compiled inside an eager checkpoint, as dynamo traces it: its k-th attention call
+    becomes attnstash::_sdpa_compiled on its input at slot `class base + k` (attend), which keeps
+    in the checkpoint's first forward and takes it back in its recompute, as the graph runs
+    (torch_ops/keep_replay.h, compiled_phase_of)."""
+    from .core import anchor_of, close_frame  # (core imports this module)
+    stash = layer.__dict__[ATTR]
+    frame = [anchor_of(stash, args, kwargs), _class_slots(type(layer).__name__), 0]
+    _traced.append(frame)
+    try:
+        out = forward(*args, **kwargs)
+    finally:
+        _traced.pop()
+    if frame[2] == 0:  # it must call attention, as in eager
+        close_frame(_Called(stash))
+    return out
+
+
+class _Called:
+    """What close_frame reads of a traced first forward that called no attention."""
+    first = keep = True
+    calls = 0
+    kept = ()
+
+    def __init__(self, stash):
+        self.stash = stash
+
+
+def attend(sdpa, args, kwargs):
+    """F.scaled_dot_product_attention while dynamo traces (routing.route): attnstash::_sdpa_compiled
+    inside _eager_checkpoint_forward, else torch's own (`sdpa`)."""
+    if not _traced:
+        return sdpa(*args, **kwargs)
+    from .core import _sdpa_arguments  # (core imports this module)
+    frame = _traced[-1]
+    q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
+    slot = frame[1] + frame[2]
+    frame[2] += 1
+    return torch.ops.attnstash._sdpa_compiled(q, k, v, frame[0], slot, mask, dropout_p, is_causal, scale, gqa)
+
+
+@torch.compiler.assume_constant_result
+def _class_slots(layer_class):
+    """The slot base the layers of one class use when compiled inside an eager checkpoint (one per
+    class name, so that they share their compiled code; the anchor tells their records apart)."""
+    from .core import SLOT_BITS, _bases  # (core imports this module)
+    if layer_class not in _slots:
+        _slots[layer_class] = next(_bases) << SLOT_BITS
+    return _slots[layer_class]
+
+
+_slots = {}
 
 
 def checkpoint_call(checkpoint_function, fn, args, kwargs):

@@ -1,14 +1,14 @@
 """How attention calls reach a stashed layer's frame: while any stash is installed,
 F.scaled_dot_product_attention is `route`, and so is every module-level name bound to it (code
 that imported it by name before the install); `route` is torch's own function outside the frames
-(core.py) and while torch.compile traces."""
+(core.py) and, while torch.compile traces, what compiled.attend says."""
 import gc
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from . import core
+from . import compiled, core
 
 _SDPA = F.scaled_dot_product_attention  # torch's own
 _rebound = []  # [(module dict, name)] bound to `route` in place of _SDPA
@@ -17,9 +17,9 @@ _rebound = []  # [(module dict, name)] bound to `route` in place of _SDPA
 def route(*args, **kwargs):
     """F.scaled_dot_product_attention while a stash is installed: inside the frame of a
     stashed layer's forward that keeps, attnstash::sdpa_fwd_keep on the frame's anchor and next
-    slot; anywhere else (and while torch.compile traces) torch's own function."""
+    slot; while torch.compile traces, what compiled.attend says; anywhere else torch's own function."""
     if torch.compiler.is_compiling():
-        return _SDPA(*args, **kwargs)
+        return compiled.attend(_SDPA, args, kwargs)
     frames = getattr(core._tls, "frames", None)
     if not frames or not frames[-1].keep:
         return _SDPA(*args, **kwargs)

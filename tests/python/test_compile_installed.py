@@ -160,31 +160,6 @@ def test_a_compiled_diffusers_transformer_keeps_its_graph_and_runs_attention_onc
     assert_compiled_and_saving(*results, calls=forwards // 2)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_layer_compiled_inside_an_eager_checkpoint_keeps_its_graph_and_says_the_stash_saves_nothing(mode):
-    # The model's forward checkpoints each block eagerly and each block is compiled
-    # (block.compile(), as diffusers' compile_repeated_blocks does): the checkpoint reruns the
-    # whole compiled block, so no kept output can serve it. It stays compiled, trains as without
-    # the stash, and a warning says so.
-    def compile_blocks(model, backend):
-        for block in model.blocks:
-            block.compile(backend=backend)
-        return model
-
-    compiled._warned.discard("Block")
-    without = nanogpt_runs(mode, False, compile_blocks)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with_stash = nanogpt_runs(mode, True, compile_blocks)
-    said = [str(w.message) for w in caught if "attnstash" in str(w.message)]
-    assert len(said) == 1 and "stashed Block layers are compiled on their own inside an activation checkpoint" in \
-        said[0] and "saves nothing for them" in said[0] and "Compile around the checkpoint instead" in said[0], said
-    (runs_a, forwards_a, counted_a), (runs_b, forwards_b, counted_b) = without, with_stash
-    assert (counted_b.graphs, counted_b.nodes) == (counted_a.graphs, counted_a.nodes)
-    assert forwards_a == forwards_b == 6 and bitwise_equal(runs_a, runs_b)
-    assert attnstash.stash_stats()["records"] == 0
-
-
 def test_a_budget_cannot_act_inside_a_compiled_graph_and_says_so():
     torch._dynamo.reset()
     model = plain.gpt(checkpointing="non-reentrant")

@@ -63,3 +63,22 @@ def test_compiled_fullgraph_call_matches_eager():
     g = torch.randn_like(eager)
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(eager, (q, k, v), g),
                                                  torch.autograd.grad(compiled, (q, k, v), g)))
+
+
+def test_opcheck_the_compiled_op_outside_any_checkpoint():
+    # attnstash::_sdpa_compiled (what a layer compiled inside an eager checkpoint calls:
+    # install/compiled.py) outside a checkpoint: it attends, keeps nothing, and its node's
+    # backward is the kept backend's.
+    torch.manual_seed(0)
+    for dtype, hq, hkv in ((torch.float32, 4, 4), (torch.bfloat16, 8, 2)):
+        q, k, v = (t.detach().requires_grad_() for t in qkv(dtype, hq, hkv, 64))
+        anchor = torch.randn(3)
+        args = (q, k, v, anchor, 0, None, 0.0, True, None, hq != hkv)
+        torch.library.opcheck(torch.ops.attnstash._sdpa_compiled.default, args)
+        out = torch.ops.attnstash._sdpa_compiled(*args)
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hkv)
+        assert torch.equal(out, expected)
+        grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+        expected_grads = torch.autograd.grad(expected.float().sum(), (q, k, v))
+        assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads))
+    assert attnstash.stash_stats()["records"] == 0
