@@ -24,7 +24,9 @@ def sdpa_fwd_keep(query, key, value, anchor, slot: int, attn_mask=None, dropout_
         key, value: (batch, kv_heads, seq_k, head_dim) and (batch, kv_heads, seq_k, head_dim_v).
         anchor: the tensor that identifies this forward: the checkpointed function's input
             (the decoder layer's input), which its recompute receives again (a reentrant
-            checkpoint passes a detached alias of it).
+            checkpoint passes a detached alias of it); or, where offloading hooks hand the
+            recompute a copy of that input, a 0-dim tensor that requires grad, created for
+            this checkpoint call and held until its recompute (torch_ops/schemas.cpp).
         slot: which attention call on that anchor (several calls of one layer need
             several slots).
         attn_mask, dropout_p, is_causal, scale, enable_gqa: as F.scaled_dot_product_attention.

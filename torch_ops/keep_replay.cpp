@@ -219,9 +219,11 @@ Phase phase_of(const SdpaCall& call, const at::Tensor& anchor) {
   // Non-reentrant checkpointing pushes saved-tensor hooks around its first forward; an
   // ordinary differentiable call has none. Grad off under such hooks is no reentrant first
   // forward either (a non-reentrant checkpoint under no_grad, or offloading around a
-  // reentrant one, whose recompute would get a copy of the anchor): nothing to keep.
+  // reentrant one, whose recompute would get a copy of the anchor): nothing to keep, but for
+  // a token anchor (0-dim), which the caller holds for the recompute itself.
   bool hooks = !at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
-  if (!grad) return !hooks && anchor.requires_grad() ? Phase::reentrant_first_forward : Phase::plain;
+  if (!grad)
+    return (!hooks || anchor.dim() == 0) && anchor.requires_grad() ? Phase::reentrant_first_forward : Phase::plain;
   return hooks && any_requires_grad(call) ? Phase::non_reentrant_first_forward : Phase::plain;
 }
 
@@ -339,7 +341,11 @@ PayloadPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t 
               "keeps only inside an activation checkpoint (reentrant: grad off, no saved-tensor hooks, an anchor "
               "that requires grad; non-reentrant: under its saved-tensor hooks). A cleared stash "
               "(attnstash.stash_clear()) or a second backward through the same forward leave nothing to replay "
-              "either.");
+              "either. Offloading (saved-tensor hooks around the checkpoint that move its inputs: save_on_cpu on "
+              "a GPU, transformers' offload=True) hands the recompute a copy of the layer input: anchor on a 0-dim "
+              "token held for the checkpoint call instead. The installer does so for layers reached through their "
+              "checkpoint function (transformers models), not for layers whose checkpoint calls the module "
+              "itself: turn offloading off for those, or do not stash them.");
 }
 
 PayloadPtr take_owned(const SdpaCall& c, RecordOwner& owner) {

@@ -14,9 +14,10 @@ namespace attnstash {
 // plain, and nothing is kept in inference mode. Otherwise:
 enum class Phase {
   plain,                        // anything else: exactly F.sdpa, nothing kept
-  reentrant_first_forward,      // grad off, outside backward, no saved-tensor hooks, and the
-                                // anchor requires grad: a reentrant checkpoint's first
-                                // forward. Keep.
+  reentrant_first_forward,      // grad off, outside backward, the anchor requires grad, and
+                                // no saved-tensor hooks, or a 0-dim anchor (a token held for
+                                // one checkpoint call, which hooks that offload cannot copy:
+                                // schemas.cpp): a reentrant checkpoint's first forward. Keep.
   non_reentrant_first_forward,  // grad on, outside backward, under saved-tensor hooks, and
                                 // query, key or value requires grad: a non-reentrant
                                 // checkpoint's first forward. Keep, behind a node whose

@@ -6,7 +6,11 @@
 // recompute receives a detached alias of it (same storage, data pointer and version
 // counter), a non-reentrant one the tensor itself. A recompute therefore takes only what
 // its own first forward kept (or, when one anchor went through the same attention twice
-// before either recompute, a forward that was bitwise the same).
+// before either recompute, a forward that was bitwise the same). Where saved-tensor hooks
+// offload the checkpoint's inputs, the recompute gets a copy of the layer input instead: a
+// 0-dim tensor that the caller creates for one checkpoint call and holds until its recompute
+// (a token) identifies the forward then (the installer's core.Run does), and its storage,
+// freed with the caller's checkpoint, releases what is left.
 //
 // Kernels: sdpa_device.cpp (CPU, CUDA), sdpa_autograd.cpp (Autograd), sdpa_autocast.cpp
 // (AutocastCPU, AutocastCUDA); the stash ops below are plain functions (records.cpp).

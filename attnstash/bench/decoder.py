@@ -10,7 +10,8 @@ layer      one decoder layer (input x requires grad; loss = sum(layer(x) * g)) u
            non-reentrant checkpointing, with and without the stash, and SAC; 30 rounds or more.
 seq-sweep  layer mode at each length of --seqs, the micro-batch fixed; each length gets the rounds
            its share of --sweep-seconds holds (5 to 30; --repeats fixes them); a length that fails
-           (out of memory) is recorded and the sweep goes on.
+           (out of memory) is recorded and the sweep goes on. --offload: every configuration
+           under save_on_cpu (the user's offloading; harness.offloading).
 Reported (harness.py measures): medians, saved ms per stashed layer and the efficiency (saved /
 one attention forward alone), the stash against SAC, kept bytes against attnstash.plan's
 prediction, loss and every gradient against plain checkpointing.
@@ -120,11 +121,12 @@ def layer_mode(shape, args, out):
 
 def seq_sweep(shape, args, out):
     step = LayerStep(dataclasses.replace(shape, seq=args.seqs[0]), seed=args.seed)
+    step.offload = args.offload
     runs = [Run(c, copy.deepcopy(step.model), step) for c in LAYER_CONFIGS[args.checkpointing]]
     fixed = args.repeats if args.repeats_given else None
     budget, points, everything, t0 = args.sweep_seconds, [], [], time.perf_counter()
     print(f"seq-sweep: one decoder layer, {step.shape.describe()}; micro-batch {shape.batch} at every length "
-          f"{args.seqs}", flush=True)
+          f"{args.seqs}{'; every step under save_on_cpu (--offload)' if args.offload else ''}", flush=True)
     for i, seq in enumerate(args.seqs):
         share, start = budget / (len(args.seqs) - i), time.perf_counter()
         for run in runs:
@@ -153,6 +155,7 @@ def seq_sweep(shape, args, out):
         report.print_rows(point)
     result = {"mode": "seq-sweep", "preset": args.preset, "shape": dataclasses.asdict(step.shape),
               "environment": environment(shape.device), "checkpointing": args.checkpointing, "seqs": args.seqs,
+              "offload": args.offload,
               "batch": shape.batch, "sweep_seconds": args.sweep_seconds, "rounds_fixed": fixed, "points": points,
               "seconds": time.perf_counter() - t0}
     report.print_measurements(everything)

@@ -119,7 +119,7 @@ class Run:
 
     def step(self, after_forward=None, mark=lambda name: contextlib.nullcontext()):
         """Forward (under the subject's autocast) and backward; returns the loss, detached."""
-        with mark("bench:forward"), autocast(self.subject.device, self.subject.amp):
+        with mark("bench:forward"), autocast(self.subject.device, self.subject.amp), offloading(self.subject):
             loss = self.subject.forward(self.model)
         if after_forward is not None:
             after_forward()
@@ -130,6 +130,14 @@ class Run:
 
     def grads(self):
         return [t.grad for t in [*self.model.parameters(), *self.subject.inputs]]
+
+
+def offloading(subject):
+    """The user's activation offloading around the forward where the subject asks for it
+    (seq-sweep --offload): save_on_cpu, pinned on CUDA."""
+    if not getattr(subject, "offload", False):
+        return contextlib.nullcontext()
+    return torch.autograd.graph.save_on_cpu(pin_memory=torch.device(subject.device).type == "cuda")
 
 
 def difference(grads, reference):

@@ -16,9 +16,11 @@ While torch.compile traces a stashed layer, none of this runs: compiled.py says 
 (A transformers layer that another checkpoint wraps, torch's checkpoint_wrapper as FSDP recipes
 apply it, is reached as a MODULE_CALL: its own gradient_checkpointing is off.)
 
-Anchor. The forward's first tensor argument (positional first, then keyword): the tensor the
-recompute is handed again (a reentrant checkpoint passes a detached alias of it, same storage
-and version), which ties the recompute to its first forward (torch_ops/schemas.cpp).
+Anchor. What ties a recompute to its first forward (torch_ops/schemas.cpp): for a
+CHECKPOINT_FUNCTION layer, a token its Run holds for the checkpoint call (so that offloading,
+which hands the recompute a copy of the layer input, cannot break the tie); for a MODULE_CALL
+layer, the forward's first tensor argument (positional first, then keyword), which the
+recompute is handed again (a reentrant checkpoint passes a detached alias of it).
 
 Phase, frame and slots. Each forward of a stashed layer runs in a frame on its thread's
 stack (open_frame decides the phase; the ops decide again from what they see, by the rule in
@@ -85,17 +87,11 @@ def saved_tensor_hooks_active():
 
 
 def _frames():
-    frames = getattr(_tls, "frames", None)
-    if frames is None:
-        frames = _tls.frames = []
-    return frames
+    return _tls.__dict__.setdefault("frames", [])  # (a threading.local's __dict__ is this thread's)
 
 
 def _reached():
-    reached = getattr(_tls, "reached", None)
-    if reached is None:
-        reached = _tls.reached = {}
-    return reached
+    return _tls.__dict__.setdefault("reached", {})
 
 
 def _active(stash):
@@ -180,15 +176,17 @@ def _dropout_holder(dropout_p):
     return ""
 
 
-def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None):
+def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token=None):
     """The frame of one forward of a stashed layer, by the phase it runs in. `outer_grad`: the
     grad mode of the call outside its checkpoint; `limit`: for a recompute, how many attention
     calls its first forward routed; `preserves`: whether its checkpoint restores the random
-    state for the recompute (preserves_rng). None: cannot be seen."""
+    state for the recompute (preserves_rng). None: cannot be seen. `token`: what the ops anchor
+    on in place of the layer input `anchor`, where a Run holds one (Run.token)."""
     grad = torch.is_grad_enabled()
     if in_backward():  # a recompute: it routes what its first forward routed
         keep = grad and limit != 0
-        return Frame(stash, anchor, keep, first=False, limit=limit, rng=Rng.recompute() if keep else None)
+        return Frame(stash, anchor if token is None else token, keep, first=False, limit=limit,
+                     rng=Rng.recompute() if keep else None)
     hooks = saved_tensor_hooks_active()
     if grad and not hooks:
         raise CheckpointingError(
@@ -198,13 +196,15 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None):
     # Grad off: a reentrant checkpoint's first forward, or a forward under no_grad that no
     # backward can reach; the call outside the checkpoint tells them apart, where it is seen.
     reachable = grad or outer_grad is None or outer_grad
-    if not grad and hooks and reachable:
+    if not grad and hooks and reachable and token is None:
         raise CheckpointingError(
             f"attnstash: {stash.name} runs a reentrant checkpoint under saved-tensor hooks (offloaded "
-            "checkpointing: activation_checkpointing_enable(offload=True), or torch.autograd.graph.save_on_cpu): "
-            "they give the recompute a copy of the layer input, so it could not find its kept output. Use "
-            "non-reentrant checkpointing with offloading (use_reentrant=False), or turn offloading off.")
-    return Frame(stash, anchor, reachable, first=True,
+            "checkpointing: torch.autograd.graph.save_on_cpu, or an offloading context): they give the recompute "
+            "a copy of the layer input, so it could not find its kept output. attnstash follows offloading for "
+            "layers reached through their checkpoint function (transformers models), not for a layer whose "
+            "checkpoint calls the module itself, as this one's does: turn offloading off for it, or do not "
+            "stash it.")
+    return Frame(stash, anchor if token is None else token, reachable, first=True,
                  rng=Rng.first(anchor.device, preserves) if reachable and preserves is not True else None)
 
 
@@ -354,13 +354,14 @@ class Run(functools.partial):
     routed. A functools.partial of that forward (the same func, args and keywords), so that a
     checkpoint function that looks into what it is given finds the layer as it would without
     the stash (LLaMA-Factory's: `func.func.__self__` when `isinstance(func, partial)`)."""
-    __slots__ = ("stash", "fn", "outer_grad", "preserves", "routed", "kept")
+    __slots__ = ("stash", "fn", "outer_grad", "preserves", "routed", "kept", "token")
 
     def __new__(cls, stash, fn, outer_grad, preserves):
         self = super().__new__(cls, fn)
         self.stash, self.fn, self.outer_grad, self.preserves = stash, fn, outer_grad, preserves
         self.routed = None  # attention calls the first forward routed (0: it kept nothing)
         self.kept = []
+        self.token = torch.zeros((), device="cpu", requires_grad=True)  # what the ops anchor on (Anchor, above)
         return self
 
     def __getattr__(self, name):
@@ -370,11 +371,11 @@ class Run(functools.partial):
         stash = self.stash
         anchor = anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None))
         if in_backward():
-            return run_in_frame(open_frame(stash, anchor, limit=self.routed if self.routed is not None else 0),
-                                self.fn, args, kwargs)
+            return run_in_frame(open_frame(stash, anchor, limit=self.routed if self.routed is not None else 0,
+                                           token=self.token), self.fn, args, kwargs)
         reached = _reached()
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
-        frame = open_frame(stash, anchor, self.outer_grad, preserves=self.preserves)
+        frame = open_frame(stash, anchor, self.outer_grad, preserves=self.preserves, token=self.token)
         out = run_in_frame(frame, self.fn, args, kwargs)
         self.routed, self.kept = (frame.calls if frame.keep else 0), frame.kept
         return out

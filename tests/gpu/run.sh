@@ -24,6 +24,9 @@
 #               non-reentrant, without and with the stash, and SAC (profile.md)
 #   layer       the same layer timed, interleaved rounds (layer.json)
 #   seq-sweep   sequence lengths 1k to 32k at that attention shape, batch 4 (seq_sweep.png)
+#   offload     the same at 16k and 32k under the user's offloading (save_on_cpu, pinned) around
+#               every configuration: peak device memory, step times, the stash against SAC
+#               (offload/seq_sweep.json, offload_seq_sweep.png)
 #   bench       a 4-layer model at that shape, one step per configuration (bench.png)
 #   compile     the 4-layer model under torch.compile (inductor): compiled checkpointing without and
 #               with the stash, compiled SAC, eager with the stash; graphs, attention forwards per
@@ -46,10 +49,12 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 if [ "${DRY_RUN:-0}" = 1 ]; then
   DEADLINE=${DEADLINE:-1500} BUILD_LIMIT=900 BUILD_DIR=$WORK/build BUILD_ARGS=(-DATTNSTASH_OUTPUT_DIR="$WORK/build")
   DEVICE=cpu PRESET=tiny SEQS=64,128 SWEEP_SECONDS=5 PYTEST_REST=(--co) QUICK=(--repeats 2 --warmup 0)
+  OFFLOAD_SEQS=128
   DIT=(--preset dit --tokens 64,128 --heads 2 --head-dim 16 --layers 1 --single-layers 1 --text-tokens 16)
 else
   DEADLINE=${DEADLINE:-520} BUILD_LIMIT=240 BUILD_DIR=build/gpu BUILD_ARGS=()
   DEVICE=cuda PRESET=qwen3-30b-a3b SEQS=1024,4096,16384,32768 SWEEP_SECONDS=60 PYTEST_REST=() QUICK=()
+  OFFLOAD_SEQS=16384,32768
   DIT=(--preset flux --tokens 4096,16384)
 fi
 echo "stage | exit | seconds" > "$OUT/summary.txt"
@@ -60,6 +65,7 @@ collect() {  # the results so far into $OUT (the archive, and the files read fir
   for f in profile.md layer.json seq_sweep.png bench.png compile.json dit.json; do
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/$f"
   done
+  [ -f "$WORK/offload/seq_sweep.png" ] && cp "$WORK/offload/seq_sweep.png" "$OUT/offload_seq_sweep.png"
   return 0
 }
 
@@ -122,6 +128,8 @@ BENCH=("$PY" -m attnstash.bench --preset "$PRESET" --device "$DEVICE" --out "$WO
 stage profile 150 "${BENCH[@]}" --mode profile "${QUICK[@]}"
 stage layer 120 "${BENCH[@]}" --mode layer "${QUICK[@]}"
 stage seq-sweep 240 "${BENCH[@]}" --mode seq-sweep --seqs "$SEQS" --sweep-seconds "$SWEEP_SECONDS"
+stage offload 150 "$PY" -m attnstash.bench --mode seq-sweep --offload --preset "$PRESET" --device "$DEVICE" \
+  --out "$WORK/offload" --seqs "$OFFLOAD_SEQS" --sweep-seconds 30
 stage bench 200 "${BENCH[@]}" "${QUICK[@]}"
 stage compile 240 "${BENCH[@]}" --mode compile "${QUICK[@]}"
 stage dit 200 "$PY" -m attnstash.bench --mode dit --device "$DEVICE" --out "$WORK" "${DIT[@]}" "${QUICK[@]}"

@@ -236,6 +236,30 @@ def test_seq_sweep(tmp_path, monkeypatch):
     assert nothing_installed()
 
 
+def test_seq_sweep_under_the_users_offloading(tmp_path, monkeypatch):
+    # --offload: every step under save_on_cpu, whose hooks pack what each step saves; the stash
+    # rows still keep, and match plain checkpointing bitwise.
+    from attnstash.bench import harness
+    packed = []
+    real = torch.autograd.graph.save_on_cpu
+
+    def counting_save_on_cpu(**kwargs):
+        context = real(**kwargs)
+        pack = context.pack_hook
+        context.pack_hook = lambda t: (packed.append(1), pack(t))[1]
+        return context
+
+    monkeypatch.setattr(harness.torch.autograd.graph, "save_on_cpu", counting_save_on_cpu)
+    bench_main([*TINY, "--mode", "seq-sweep", "--offload", "--seqs", "32", "--sweep-seconds", "0.5",
+                "--out", str(tmp_path)])
+    written = json.loads((tmp_path / "seq_sweep.json").read_text())
+    point = written["points"][0]
+    assert written["offload"] is True and packed
+    assert point["losses_equal"] and all(row["grads_equal"] for row in point["configs"])
+    assert point["kept_bytes_measured"] == {"reentrant": kept(B, H, 32, D), "non-reentrant": kept(B, H, 32, D)}
+    assert nothing_installed()
+
+
 def test_soak_runs_both_checkpointing_modes_and_ends_with_an_empty_stash(tmp_path):
     report = bench_main([*TINY, "--mode", "soak", "--steps", "6", "--seed", "3", "--out", str(tmp_path)])
     written = json.loads((tmp_path / "soak.json").read_text())
