@@ -193,6 +193,13 @@ def _class_slots(layer_class):
 _slots = {}
 
 
+def calls_the_ops(layer_class):
+    """Whether layers of this class run compiled graphs that call attention through the ops
+    themselves (_eager_checkpoint_forward): the eager frame around such a layer (its checkpoint
+    function's, core.Run) routes none of its calls, and must not say it called no attention."""
+    return layer_class in _slots
+
+
 def checkpoint_call(checkpoint_function, fn, args, kwargs):
     """A stashed CHECKPOINT_FUNCTION layer's checkpoint function as dynamo traces it
     (core.CheckpointCall under torch.compile): fn runs in the selective checkpoint inside it."""

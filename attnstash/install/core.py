@@ -58,10 +58,10 @@ class LayerStash:
     """One stashed layer: its index and name (for messages), how its checkpointed forward is
     reached, its class's forward, its slots, and the attention calls of its last first forward that kept (None
     before one; attention_layers prints it)."""
-    __slots__ = ("index", "name", "reach", "slot_base", "calls", "forward", "__weakref__")
+    __slots__ = ("index", "name", "reach", "slot_base", "calls", "forward", "kind", "__weakref__")
 
-    def __init__(self, index, name, reach, forward=None):
-        self.index, self.name, self.reach, self.calls = index, name, reach, None
+    def __init__(self, index, name, reach, forward=None, kind=""):
+        self.index, self.name, self.reach, self.calls, self.kind = index, name, reach, None, kind  # kind: class name
         self.forward = forward  # the layer class's forward function (what torch.compile traces: compiled.py)
         self.slot_base = next(_bases) << SLOT_BITS
         _live.add(self)
@@ -71,7 +71,7 @@ class LayerStash:
 
     def __deepcopy__(self, memo):
         # A deep copy of a stashed model has an install of its own, with slots of its own.
-        return LayerStash(self.index, self.name, self.reach, self.forward)
+        return LayerStash(self.index, self.name, self.reach, self.forward, self.kind)
 
 
 def stash_of(layer):
@@ -213,7 +213,7 @@ def close_frame(frame):
     if not (frame.first and frame.keep):
         return
     frame.stash.calls = frame.calls
-    if frame.calls == 0:
+    if frame.calls == 0 and not compiled.calls_the_ops(frame.stash.kind):
         release(frame.kept)
         raise CheckpointingError(
             f"attnstash: {frame.stash.name} is stashed, but its training forward called no "
@@ -422,7 +422,7 @@ class _Owner:
 
 def attach(layer, index, name, reach):
     """Stash one layer (the caller holds _lock and has patched the router)."""
-    stash = LayerStash(index, name, reach, type(layer).forward)
+    stash = LayerStash(index, name, reach, type(layer).forward, type(layer).__name__)
     previous = layer.__dict__.get("forward")
     if previous is not None:
         layer.__dict__[PREVIOUS] = previous

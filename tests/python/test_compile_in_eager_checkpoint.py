@@ -173,3 +173,36 @@ def test_a_no_grad_forward_in_training_mode_keeps_nothing_and_attends_as_without
                 attnstash.uninstall_attention_stash(model)
     (a, targets_a), (b, targets_b) = outputs
     assert torch.equal(a, b) and targets_a == targets_b and not any("attnstash" in t for t in targets_b)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_transformers_layer_compiled_on_its_own(mode):
+    # Regional compilation (layer.compile() on each decoder layer). Before transformers 5.23 the
+    # layer's checkpoint function runs eagerly around its compiled call (its frame routes none of
+    # the calls, the graph calls the ops: compiled.calls_the_ops); from 5.23 the checkpoint is
+    # inside the compiled forward (the selective policy, whose nested checkpoint adds call nodes).
+    # Either way: the same graphs, half the attention forwards, bitwise.
+    from tiny_models import batch, clone, loss_and_grads, tiny_model
+    base = tiny_model("llama")
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+    ids = batch()
+    results = []
+    for use_stash in (False, True):
+        torch._dynamo.reset()
+        model = clone(base)
+        if use_stash:
+            attnstash.install_attention_stash(model)
+        try:
+            counting = Counting("aot_eager")
+            for layer in model.model.layers:
+                layer.compile(backend=counting)
+            runs = [loss_and_grads(model, ids)]
+            forwards = attention_forwards(lambda: runs.append(loss_and_grads(model, ids)))
+        finally:
+            if use_stash:
+                attnstash.uninstall_attention_stash(model)
+        results.append((runs, forwards, counting))
+    (runs_a, forwards_a, counted_a), (runs_b, forwards_b, counted_b) = results
+    assert counted_a.graphs >= 1 and counted_b.graphs == counted_a.graphs and counted_b.nodes >= counted_a.nodes
+    assert (forwards_a, forwards_b) == (6, 3) and bitwise_equal(runs_a, runs_b)
+    assert attnstash.stash_stats()["records"] == 0
