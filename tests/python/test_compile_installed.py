@@ -88,6 +88,14 @@ def test_a_compiled_checkpointed_model_keeps_its_graphs_and_runs_attention_once(
     assert compiled.saved_calls() > saved  # the compiled graphs save the stashed layers' attention
 
 
+# PyTorch 2.14's partitioner cannot place the attention output that SAC saves when the model adds
+# it to a Python 0 (the block model's sum over its calls), with attnstash or without (README, Limits).
+TORCH_214_SAC_SUM = pytest.mark.xfail(torch.__version__.startswith("2.14."), strict=False,
+                                      raises=torch._dynamo.exc.BackendCompilerFailed,
+                                      reason="PyTorch 2.14 partitioner: SAC-saved attention output added to 0")
+
+
+@TORCH_214_SAC_SUM
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("way", ["torch.compile(model)", "wrapped, torch.compile(block)"])
 def test_with_inductor_too(way, mode):
