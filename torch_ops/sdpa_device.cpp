@@ -62,8 +62,8 @@ Taken replay_take_kernel(const at::Tensor& query, const at::Tensor& key, const a
 }
 
 // The attention of a compiled call, by its phase when the graph runs (compiled_phase_of).
-KeptAttention compiled_attention(const SdpaCall& call, const at::Tensor& anchor, int64_t slot) {
-  switch (compiled_phase_of(call, anchor)) {
+KeptAttention compiled_attention(const SdpaCall& call, const at::Tensor& anchor, int64_t slot, Phase phase) {
+  switch (phase) {
     case Phase::recompute:
       return attention_of(take_for_replay(call, anchor, slot), call);
     case Phase::non_reentrant_first_forward:
@@ -80,7 +80,7 @@ Taken keep_or_take_kernel(const at::Tensor& query, const at::Tensor& key, const 
                           const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
                           double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
   SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
-  return as_taken(compiled_attention(call, anchor, slot), query);
+  return as_taken(compiled_attention(call, anchor, slot, compiled_phase_of(call, anchor)), query);
 }
 
 // Without autograd (a graph traced with grad off: a reentrant checkpoint's first forward).
@@ -88,8 +88,9 @@ at::Tensor sdpa_compiled_kernel(const at::Tensor& query, const at::Tensor& key, 
                                 const at::Tensor& anchor, int64_t slot, const std::optional<at::Tensor>& attn_mask,
                                 double dropout_p, bool is_causal, std::optional<double> scale, bool enable_gqa) {
   SdpaCall call{query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa};
-  if (compiled_phase_of(call, anchor) == Phase::plain) return sdpa_plain(call);  // no node: no log-sum-exp needed
-  return compiled_attention(call, anchor, slot).output;
+  Phase phase = compiled_phase_of(call, anchor);
+  if (phase == Phase::plain) return sdpa_plain(call);  // no node: no log-sum-exp needed
+  return compiled_attention(call, anchor, slot, phase).output;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_backward_kernel(
