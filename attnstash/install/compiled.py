@@ -94,17 +94,32 @@ def layer_forward(layer, previous, args, kwargs):
     forward = previous if previous is not None else functools.partial(stash.forward, layer)
     if not layer.training:
         return forward(*args, **kwargs)  # eval, generation: untouched
-    if not torch.is_grad_enabled():  # a reentrant checkpoint's first forward, or no_grad: plain
-        if _anchor_requires_grad(stash, args, kwargs):
-            return _eager_checkpoint_forward(layer, forward, args, kwargs)
+    if not torch.is_grad_enabled():
+        # A reentrant checkpoint's first forward (its input requires grad; dynamo guards on
+        # that), or a forward under no_grad: plain.
+        anchor = _anchor_of(stash, args, kwargs)
+        if anchor.requires_grad:
+            return _eager_checkpoint_forward(layer, forward, args, kwargs, anchor)
         return forward(*args, **kwargs)
     if _inside_eager_checkpoint():  # the layer compiled, its checkpoint not
-        return _eager_checkpoint_forward(layer, forward, args, kwargs)
+        return _eager_checkpoint_forward(layer, forward, args, kwargs, _anchor_of(stash, args, kwargs))
     if stash.reach is not CHECKPOINT_FUNCTION:
         return _selective(forward)(*args, **kwargs)
     if not getattr(layer, "gradient_checkpointing", False):
         raise checkpointing_off(stash)
     return forward(*args, **kwargs)
+
+
+def no_attention(stash):
+    """The refusal of a stashed layer whose training forward called no attention (eager,
+    core.close_frame, and traced alike)."""
+    return CheckpointingError(
+        f"attnstash: {stash.name} is stashed, but its training forward called no "
+        "F.scaled_dot_product_attention, so nothing was kept and the stash would save nothing. Its attention "
+        "runs another implementation (eager, flash_attention_2, flex attention, a kernel of its own: load the "
+        "model with attn_implementation=\"sdpa\", or use diffusers' native attention backend), or it calls "
+        "scaled_dot_product_attention through a reference it took before the install. Or do not stash this "
+        "layer.")
 
 
 def checkpointing_off(stash):
@@ -129,42 +144,29 @@ def _inside_eager_checkpoint():
     return in_backward() or saved_tensor_hooks_active()
 
 
-def _anchor_requires_grad(stash, args, kwargs):
-    """With grad off: whether this is a reentrant checkpoint's first forward (its input requires
-    grad; dynamo guards on that), as opposed to a forward under no_grad."""
+def _anchor_of(stash, args, kwargs):
     from .core import anchor_of  # (core imports this module)
-    return anchor_of(stash, args, kwargs).requires_grad
+    return anchor_of(stash, args, kwargs)
 
 
 _traced = []  # [anchor, slot base, calls so far] of each layer traced by _eager_checkpoint_forward, innermost last
 
 
-def _eager_checkpoint_forward(layer, forward, args, kwargs):
+def _eager_checkpoint_forward(layer, forward, args, kwargs, anchor):
     """A layer compiled inside an eager checkpoint, as dynamo traces it: its k-th attention call
     becomes attnstash::_sdpa_compiled on its input at slot `class base + k` (attend), which keeps
     in the checkpoint's first forward and takes it back in its recompute, as the graph runs
     (torch_ops/keep_replay.h, compiled_phase_of)."""
-    from .core import anchor_of, close_frame  # (core imports this module)
-    stash = layer.__dict__[ATTR]
-    frame = [anchor_of(stash, args, kwargs), _class_slots(type(layer).__name__), 0]
+    frame = [anchor, _class_slots(type(layer).__name__), 0]
     _traced.append(frame)
     try:
         out = forward(*args, **kwargs)
     finally:
         _traced.pop()
     if frame[2] == 0:  # it must call attention, as in eager
-        close_frame(_Called(stash))
+        raise no_attention(layer.__dict__[ATTR])
+    _calls_the_ops(type(layer).__name__)
     return out
-
-
-class _Called:
-    """What close_frame reads of a traced first forward that called no attention."""
-    first = keep = True
-    calls = 0
-    kept = ()
-
-    def __init__(self, stash):
-        self.stash = stash
 
 
 def attend(sdpa, args, kwargs):
@@ -195,9 +197,20 @@ _slots = {}
 
 def calls_the_ops(layer_class):
     """Whether layers of this class run compiled graphs that call attention through the ops
-    themselves (_eager_checkpoint_forward): the eager frame around such a layer (its checkpoint
-    function's, core.Run) routes none of its calls, and must not say it called no attention."""
-    return layer_class in _slots
+    themselves (_eager_checkpoint_forward traced one that did): the eager frame around such a
+    layer (its checkpoint function's, core.Run) routes none of its calls, and must not say it
+    called no attention."""
+    return layer_class in _calling
+
+
+@torch.compiler.assume_constant_result
+def _calls_the_ops(layer_class):
+    """Notes, as dynamo traces, that this class's graph calls the ops (calls_the_ops)."""
+    _calling.add(layer_class)
+    return True
+
+
+_calling = set()
 
 
 def checkpoint_call(checkpoint_function, fn, args, kwargs):

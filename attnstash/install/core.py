@@ -215,13 +215,7 @@ def close_frame(frame):
     frame.stash.calls = frame.calls
     if frame.calls == 0 and not compiled.calls_the_ops(frame.stash.kind):
         release(frame.kept)
-        raise CheckpointingError(
-            f"attnstash: {frame.stash.name} is stashed, but its training forward called no "
-            "F.scaled_dot_product_attention, so nothing was kept and the stash would save nothing. Its attention "
-            "runs another implementation (eager, flash_attention_2, flex attention, a kernel of its own: load the "
-            "model with attn_implementation=\"sdpa\", or use diffusers' native attention backend), or it calls "
-            "scaled_dot_product_attention through a reference it took before the install. Or do not stash this "
-            "layer.")
+        raise compiled.no_attention(frame.stash)
 
 
 def run_in_frame(frame, fn, args, kwargs):

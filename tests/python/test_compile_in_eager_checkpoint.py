@@ -206,3 +206,22 @@ def test_each_transformers_layer_compiled_on_its_own(mode):
     assert counted_a.graphs >= 1 and counted_b.graphs == counted_a.graphs and counted_b.nodes >= counted_a.nodes
     assert (forwards_a, forwards_b) == (6, 3) and bitwise_equal(runs_a, runs_b)
     assert attnstash.stash_stats()["records"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_compiled_layer_that_calls_no_attention_is_refused_as_in_eager(mode):
+    # Its graph calls no op, so no eager frame may take it for one that does (calls_the_ops).
+    class NoAttention(plain.Block):
+        def forward(self, x, mask=None):
+            return x + self.mlp(self.norm2(x))
+
+    torch._dynamo.reset()
+    model = plain.gpt(checkpointing=mode, block_class=NoAttention)
+    attnstash.install_attention_stash(model, layers=NoAttention)
+    try:
+        each_block("block.compile()")(model, "aot_eager")
+        with pytest.raises(attnstash.CheckpointingError, match="called no F.scaled_dot_product_attention"):
+            plain.loss_and_grads(model, plain.ids())
+    finally:
+        attnstash.uninstall_attention_stash(model)
+    assert attnstash.stash_stats()["records"] == 0
