@@ -1,7 +1,10 @@
 """What the compile tests count, as `bench --mode compile` counts it (attnstash/bench/compiled.py):
 the graphs dynamo hands a backend and their call nodes (Counting), and the fused attention
-forwards a step runs (attention_forwards, torch.profiler)."""
+forwards a step runs (attention_forwards, torch.profiler); and the runs they are counted on
+(compiled_run, with_and_without_stash)."""
 import torch
+
+import attnstash
 
 from attnstash.bench.compiled import Counting, attention_forwards  # noqa: F401 (the tests' counters)
 
@@ -11,3 +14,29 @@ def bitwise_equal(runs_a, runs_b):
     return len(runs_a) == len(runs_b) and all(
         torch.equal(la, lb) and ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
         for (la, ga), (lb, gb) in zip(runs_a, runs_b))
+
+
+def compiled_run(use_stash, build, compile_it, backend="aot_eager", steps=2, **install):
+    """Training steps of a fresh model, compiled, with the stash installed (install_attention_stash
+    with `install`) or not: build() -> (model, step), step(run) -> (loss, {name: grad});
+    compile_it(model, counting) -> what to run. Returns (runs, the attention forwards of the last
+    step, the Counting backend); uninstalls whatever happens."""
+    import attnstash
+    torch._dynamo.reset()
+    model, step = build()
+    if use_stash:
+        attnstash.install_attention_stash(model, **install)
+    try:
+        counting = Counting(backend)
+        run = compile_it(model, counting)
+        runs = [step(run) for _ in range(steps - 1)]
+        forwards = attention_forwards(lambda: runs.append(step(run)))
+    finally:
+        if use_stash:
+            attnstash.uninstall_attention_stash(model)
+    return runs, forwards, counting
+
+
+def with_and_without_stash(build, compile_it, **kwargs):
+    """compiled_run without the stash, then with it."""
+    return [compiled_run(use_stash, build, compile_it, **kwargs) for use_stash in (False, True)]

@@ -14,8 +14,8 @@ import torch._dynamo
 
 import attnstash
 import tiny_torch_models as plain
-from compile_cases import Counting, attention_forwards, bitwise_equal
-from test_compile_installed import nanogpt_runs
+from compile_cases import bitwise_equal, with_and_without_stash
+from test_compile_installed import diffusers_flux, hugging_face, nanogpt_runs
 
 MODES = ["non-reentrant", "reentrant"]
 
@@ -60,25 +60,13 @@ def test_each_block_compiled_inside_the_models_checkpoint_keeps_its_graphs_and_r
 def test_a_compiled_diffusers_transformer_with_compile_repeated_blocks():
     # diffusers' compile_repeated_blocks: each repeated block class compiled once, inside the
     # model's own (eager, non-reentrant) checkpoint of each block.
-    tiny = pytest.importorskip("tiny_diffusers")
-    results = []
-    for use_stash in (False, True):
-        torch._dynamo.reset()
-        model, inputs = tiny.build("FluxTransformer2DModel")
+    def compile_it(model, counting):
         if not hasattr(model, "compile_repeated_blocks"):
             pytest.skip("this diffusers release has no compile_repeated_blocks")
-        model.enable_gradient_checkpointing()
-        if use_stash:
-            attnstash.install_attention_stash(model)
-        try:
-            counting = Counting("aot_eager")
-            model.compile_repeated_blocks(backend=counting)
-            runs = [tiny.loss_and_grads(model, inputs)]
-            forwards = attention_forwards(lambda: runs.append(tiny.loss_and_grads(model, inputs)))
-        finally:
-            if use_stash:
-                attnstash.uninstall_attention_stash(model)
-        results.append((runs, forwards, counting))
+        model.compile_repeated_blocks(backend=counting)
+        return model
+
+    results = with_and_without_stash(diffusers_flux(), compile_it)
     (_, forwards, _), _ = results
     assert forwards % 2 == 0 and forwards
     assert_same_graphs_and_saving(*results, calls=forwards // 2)
@@ -182,26 +170,12 @@ def test_each_transformers_layer_compiled_on_its_own(mode):
     # the calls, the graph calls the ops: compiled.calls_the_ops); from 5.23 the checkpoint is
     # inside the compiled forward (the selective policy, whose nested checkpoint adds call nodes).
     # Either way: the same graphs, half the attention forwards, bitwise.
-    from tiny_models import batch, clone, loss_and_grads, tiny_model
-    base = tiny_model("llama")
-    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
-    ids = batch()
-    results = []
-    for use_stash in (False, True):
-        torch._dynamo.reset()
-        model = clone(base)
-        if use_stash:
-            attnstash.install_attention_stash(model)
-        try:
-            counting = Counting("aot_eager")
-            for layer in model.model.layers:
-                layer.compile(backend=counting)
-            runs = [loss_and_grads(model, ids)]
-            forwards = attention_forwards(lambda: runs.append(loss_and_grads(model, ids)))
-        finally:
-            if use_stash:
-                attnstash.uninstall_attention_stash(model)
-        results.append((runs, forwards, counting))
+    def compile_each_layer(model, counting):
+        for layer in model.model.layers:
+            layer.compile(backend=counting)
+        return model
+
+    results = with_and_without_stash(hugging_face(mode), compile_each_layer)
     (runs_a, forwards_a, counted_a), (runs_b, forwards_b, counted_b) = results
     assert counted_a.graphs >= 1 and counted_b.graphs == counted_a.graphs and counted_b.nodes >= counted_a.nodes
     assert (forwards_a, forwards_b) == (6, 3) and bitwise_equal(runs_a, runs_b)

@@ -13,7 +13,7 @@ import torch._dynamo
 import attnstash
 import tiny_torch_models as plain
 from attnstash.install import compiled
-from compile_cases import Counting, attention_forwards, bitwise_equal
+from compile_cases import bitwise_equal, compiled_run, with_and_without_stash
 
 MODES = ["non-reentrant", "reentrant"]
 
@@ -41,22 +41,44 @@ def nanogpt_runs(mode, use_stash, compile_it, backend="aot_eager", wrapped=False
     """Training steps of the nanoGPT-style model (3 blocks, its forward checkpoints each; or its
     blocks wrapped by checkpoint_wrapper), compiled by compile_it: (runs, attention forwards of
     the last step, the counting backend)."""
-    torch._dynamo.reset()
-    model = plain.gpt(checkpointing=mode)
-    if wrapped:
-        plain.wrapped(model, mode)
-    if use_stash:
-        attnstash.install_attention_stash(model, layers=None if wrapped else plain.Block)
-    try:
-        counting = Counting(backend)
-        run = compile_it(model, counting)
+    def build():
+        model = plain.gpt(checkpointing=mode)
+        if wrapped:
+            plain.wrapped(model, mode)
         ids = plain.ids()
-        runs = [plain.loss_and_grads(run, ids) for _ in range(steps - 1)]
-        forwards = attention_forwards(lambda: runs.append(plain.loss_and_grads(run, ids)))
-    finally:
-        if use_stash:
-            attnstash.uninstall_attention_stash(model)
-    return runs, forwards, counting
+        return model, lambda run: plain.loss_and_grads(run, ids)
+    return compiled_run(use_stash, build, compile_it, backend, steps, layers=None if wrapped else plain.Block)
+
+
+def hugging_face(mode, padded=False, layers=None, **batch):
+    """A build for compiled_run: a tiny Llama (the same weights each time; `layers` of them where
+    given), its checkpointing on in `mode`, its training step on a fixed batch (tiny_models.batch
+    with `batch`; a padding mask on its second row where `padded`)."""
+    from tiny_models import batch as make_batch, clone, loss_and_grads, tiny_model
+    base = tiny_model("llama", **({} if layers is None else {"layers": layers}))
+    ids = make_batch(**batch)
+    mask = None
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, :5] = 0
+
+    def build():
+        model = clone(base)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+        return model, lambda run: loss_and_grads(run, ids, **({} if mask is None else {"attention_mask": mask}))
+    return build
+
+
+def diffusers_flux():
+    """A build for compiled_run: a tiny diffusers Flux transformer, its blocks checkpointed by the
+    model (non-reentrant, its default)."""
+    tiny = pytest.importorskip("tiny_diffusers")
+
+    def build():
+        model, inputs = tiny.build("FluxTransformer2DModel")
+        model.enable_gradient_checkpointing()
+        return model, lambda run: tiny.loss_and_grads(run, inputs)
+    return build
 
 
 def assert_compiled_and_saving(without, with_stash, calls):
@@ -119,50 +141,19 @@ def test_the_layers_of_a_model_share_their_compiled_code():
 def test_a_compiled_hugging_face_model_keeps_its_graph_and_runs_attention_once(mode):
     # What Trainer(torch_compile=True) does: compile the whole model. Padded batch, both layers
     # stashed: loss and gradients bitwise the compiled run without.
-    from tiny_models import batch, clone, loss_and_grads, tiny_model
-    base = tiny_model("llama", layers=2)
-    ids = batch(batch_size=2, seq=32)
-    mask = torch.ones_like(ids)
-    mask[1, :5] = 0
-    results = []
-    for use_stash in (False, True):
-        torch._dynamo.reset()
-        model = clone(base)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
-        if use_stash:
-            attnstash.install_attention_stash(model)
-        try:
-            counting = Counting("aot_eager")
-            run = torch.compile(model, backend=counting)
-            runs = [loss_and_grads(run, ids, attention_mask=mask)]
-            forwards = attention_forwards(lambda: runs.append(loss_and_grads(run, ids, attention_mask=mask)))
-        finally:
-            if use_stash:
-                attnstash.uninstall_attention_stash(model)
-        results.append((runs, forwards, counting))
+    results = with_and_without_stash(hugging_face(mode, layers=2, batch_size=2, seq=32, padded=True),
+                                     lambda model, counting: torch.compile(model, backend=counting))
     assert_compiled_and_saving(*results, calls=2)
 
 
 def test_a_compiled_diffusers_transformer_keeps_its_graph_and_runs_attention_once():
     # diffusers' transformer.compile() (ModelMixin: torch.compile of the module call), its
     # blocks checkpointed by the model (non-reentrant, its default).
-    tiny = pytest.importorskip("tiny_diffusers")
-    results = []
-    for use_stash in (False, True):
-        torch._dynamo.reset()
-        model, inputs = tiny.build("FluxTransformer2DModel")
-        model.enable_gradient_checkpointing()
-        if use_stash:
-            attnstash.install_attention_stash(model)
-        try:
-            counting = Counting("aot_eager")
-            model.compile(backend=counting)
-            runs = [tiny.loss_and_grads(model, inputs)]
-            forwards = attention_forwards(lambda: runs.append(tiny.loss_and_grads(model, inputs)))
-        finally:
-            if use_stash:
-                attnstash.uninstall_attention_stash(model)
-        results.append((runs, forwards, counting))
+    def compile_it(model, counting):
+        model.compile(backend=counting)
+        return model
+
+    results = with_and_without_stash(diffusers_flux(), compile_it)
     (_, forwards, _), _ = results
     assert forwards % 2 == 0 and forwards
     assert_compiled_and_saving(*results, calls=forwards // 2)
@@ -229,25 +220,9 @@ def test_a_compiled_hugging_face_model_under_inductor_equal_losses_gradients_to_
     # Under inductor the saved attention can change what inductor recomputes and fuses, so the
     # gradients may differ in the last bits (README, Limits): the losses stay bitwise equal, the
     # attention forwards halve, and no gradient differs by more than 1e-6 of its largest value.
-    from tiny_models import batch, clone, loss_and_grads, tiny_model
-    base = tiny_model("llama")
-    ids = batch()
-    results = []
-    for use_stash in (False, True):
-        torch._dynamo.reset()
-        model = clone(base)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
-        if use_stash:
-            attnstash.install_attention_stash(model)
-        try:
-            run = torch.compile(model, backend="inductor")
-            runs = [loss_and_grads(run, ids)]
-            forwards = attention_forwards(lambda: runs.append(loss_and_grads(run, ids)))
-        finally:
-            if use_stash:
-                attnstash.uninstall_attention_stash(model)
-        results.append((runs, forwards))
-    (runs_a, forwards_a), (runs_b, forwards_b) = results
+    results = with_and_without_stash(hugging_face(mode), lambda model, counting: torch.compile(model, backend=counting),
+                                     backend="inductor")
+    (runs_a, forwards_a, _), (runs_b, forwards_b, _) = results
     assert (forwards_a, forwards_b) == (6, 3)
     for (loss_a, grads_a), (loss_b, grads_b) in zip(runs_a, runs_b):
         assert torch.equal(loss_a, loss_b) and grads_a.keys() == grads_b.keys()

@@ -7,11 +7,10 @@ run-to-run spread of the run without the stash: cuDNN accumulates dQ in any orde
 held after. Skipped without a GPU; run on the GPU machine by tests/gpu/run.sh."""
 import pytest
 import torch
-import torch._dynamo
 
 import attnstash
 import tiny_torch_models as plain
-from compile_cases import attention_forwards
+from compile_cases import compiled_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -26,19 +25,13 @@ def compile_each_block(model):
     return model
 
 
-def runs(mode, use_stash, compile_it, steps=2):
-    torch._dynamo.reset()
-    model = plain.gpt(checkpointing=mode, dim=512, heads=8).to("cuda", torch.bfloat16)
-    if use_stash:
-        attnstash.install_attention_stash(model, layers=plain.Block)
-    try:
-        run = compile_it(model)
+def runs(mode, use_stash, compile_it):
+    def build():
+        model = plain.gpt(checkpointing=mode, dim=512, heads=8).to("cuda", torch.bfloat16)
         ids = plain.ids(batch=2, seq=256).cuda()
-        results = [plain.loss_and_grads(run, ids) for _ in range(steps - 1)]
-        forwards = attention_forwards(lambda: results.append(plain.loss_and_grads(run, ids)))
-    finally:
-        if use_stash:
-            attnstash.uninstall_attention_stash(model)
+        return model, lambda run: plain.loss_and_grads(run, ids)
+    results, forwards, _ = compiled_run(use_stash, build, lambda model, counting: compile_it(model),
+                                        backend="inductor", layers=plain.Block)
     return results, forwards
 
 
