@@ -20,7 +20,7 @@ stash_status registry_make_room(stash_registry *r, size_t bytes, demoted_payload
     stash_node *oldest = NULL;
     for (size_t b = 0; b < r->bucket_count; ++b) {
       for (stash_node *node = r->buckets[b]; node != NULL; node = node->next) {
-        if (!node->declined && node->entry.demote != NULL && node->id > after &&
+        if (!node->declined && !node->moved && node->entry.demote != NULL && node->id > after &&
             (oldest == NULL || node->id < oldest->id)) {
           oldest = node;
         }

@@ -14,6 +14,7 @@ typedef struct stash_node {
   uint64_t id;
   uint32_t refs;
   int declined;
+  int moved; /* stash_set_moved: its bytes count in moved_bytes, not bytes */
 } stash_node;
 
 struct stash_registry {
@@ -23,6 +24,9 @@ struct stash_registry {
   uint64_t next_id;
   stash_stats stats;   /* records doubles as the table's size */
 };
+
+/* Takes a node's bytes out of the counters (bytes or moved_bytes, where it counts them). */
+void registry_uncount(stash_registry *r, const stash_node *node);
 
 /* How a predicate or visitor sees a node. */
 stash_record registry_record_of(const stash_node *node);

@@ -62,8 +62,16 @@ static stash_node **find_link(stash_registry *r, const stash_key *key, uint64_t 
 }
 
 stash_record registry_record_of(const stash_node *node) {
-  stash_record record = {&node->key, &node->entry, node->id, node->refs, node->declined};
+  stash_record record = {&node->key, &node->entry, node->id, node->refs, node->declined, node->moved};
   return record;
+}
+
+void registry_uncount(stash_registry *r, const stash_node *node) {
+  if (node->moved) {
+    r->stats.moved_bytes -= node->entry.bytes;
+  } else {
+    r->stats.bytes -= node->entry.bytes;
+  }
 }
 
 /* Doubles the table. On allocation failure the old table stays: chaining
@@ -120,6 +128,7 @@ static stash_status store(stash_registry *r, const stash_key *key, stash_entry e
   node->id = r->next_id++;
   node->refs = 1;
   node->declined = declined;
+  node->moved = 0;
   /* Grow past a load factor of 3/4 (records / buckets), before linking. */
   if (s->records + 1 > r->bucket_count / 4 * 3) try_grow(r);
   stash_node **head = &r->buckets[bucket_of(key->anchor, r->bucket_count)];
@@ -153,7 +162,7 @@ static stash_node *drop_one(stash_registry *r, stash_node **link) {
   }
   *link = node->next;
   r->stats.records -= 1;
-  r->stats.bytes -= node->entry.bytes;
+  registry_uncount(r, node);
   return node;
 }
 
@@ -187,7 +196,7 @@ static stash_status release_matching(stash_registry *r, stash_predicate_fn predi
       node->next = unlinked;
       unlinked = node;
       r->stats.records -= 1;
-      r->stats.bytes -= node->entry.bytes;
+      registry_uncount(r, node);
       r->stats.released_unused += node->refs;
       count += 1;
     }
@@ -300,7 +309,7 @@ stash_status stash_take(stash_registry *registry, const stash_key *key, uint64_t
   if (whole) {
     *link = node->next;
     registry->stats.records -= 1;
-    registry->stats.bytes -= node->entry.bytes;
+    registry_uncount(registry, node);
   } else {
     node->refs -= 1;
     node->entry.retain(node->entry.payload); /* the caller's own reference */
@@ -393,4 +402,31 @@ stash_status stash_set_max_bytes(stash_registry *registry, uint64_t max_bytes) {
   registry->stats.max_bytes = max_bytes;
   pthread_mutex_unlock(&registry->mutex);
   return STASH_OK;
+}
+
+stash_status stash_set_moved(stash_registry *registry, uint64_t id, int moved) {
+  if (registry == NULL || id == 0) return STASH_ERR_ARGUMENT;
+  moved = moved != 0;
+  stash_status status = STASH_ERR_MISSING;
+  pthread_mutex_lock(&registry->mutex);
+  stash_stats *s = &registry->stats;
+  for (size_t b = 0; b < registry->bucket_count && status == STASH_ERR_MISSING; ++b) {
+    for (stash_node *node = registry->buckets[b]; node != NULL; node = node->next) {
+      if (node->id != id) continue;
+      status = node->declined ? STASH_ERR_ARGUMENT : STASH_OK;
+      if (status == STASH_OK && node->moved != moved) {
+        registry_uncount(registry, node);
+        node->moved = moved;
+        if (moved) {
+          s->moved_bytes += node->entry.bytes;
+        } else {
+          s->bytes += node->entry.bytes;
+          if (s->bytes > s->peak_bytes) s->peak_bytes = s->bytes;
+        }
+      }
+      break;
+    }
+  }
+  pthread_mutex_unlock(&registry->mutex);
+  return status;
 }

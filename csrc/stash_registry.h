@@ -21,6 +21,10 @@
  *   demoted   a kept record turned declined to make room for a newer keep (Budget below);
  *             its payload is replaced by the stand-in its demote callback returns.
  *   take      a recompute taking a record back (one reference); release: dropping one.
+ *   moved     a kept record whose tensors the caller moved off the device (offloading:
+ *             attnstash/install/offload.py) until its recompute; its bytes count in
+ *             moved_bytes instead of bytes, so the budget, which caps bytes, leaves it out
+ *             and never demotes it. Moving it back (for its recompute) is never refused.
  *
  * Records. Each stored record gets an id, unique for the registry's lifetime (ids
  * start at 1; 0 means "none" or "any"), and a count of references, one per forward
@@ -99,20 +103,22 @@ typedef struct stash_record {
   uint64_t id;
   uint32_t refs;   /* forwards that share it, >= 1 */
   int declined;    /* non-zero: stored by stash_decline */
+  int moved;       /* non-zero: moved off the device (stash_set_moved) */
 } stash_record;
 
 /* The counters, each with its meaning: the one list that every layer above reads
  * (C++ names them from it, Python gets them as a dict). X(name, "meaning"). */
 #define STASH_STATS_FIELDS(X)                                                                      \
   X(records, "records held now (forwards that repeat one another share one)")                      \
-  X(bytes, "bytes held now")                                                                       \
+  X(bytes, "bytes held now on the device (kept records not moved off it)")                         \
   X(peak_bytes, "most bytes held at once since the stash was created or its peak was reset")       \
   X(max_bytes, "the budget: most bytes held at once (none: UINT64_MAX in C, -1 in C++ and Python)") \
   X(keeps, "forwards whose attention output and log-sum-exp were kept")                             \
   X(declined, "forwards whose keep the budget declined: their recompute runs attention itself")    \
   X(replays, "recomputes that took a kept output back instead of running attention")               \
   X(misses, "recomputes that looked for a kept output and found none")                             \
-  X(released_unused, "forwards whose record was dropped without a recompute (graph dropped, cleared)")
+  X(released_unused, "forwards whose record was dropped without a recompute (graph dropped, cleared)") \
+  X(moved_bytes, "bytes of kept records moved off the device until their recompute (offloading)")
 
 typedef struct stash_stats {
 #define STASH_STATS_MEMBER(name, meaning) uint64_t name;
@@ -182,6 +188,12 @@ stash_status stash_visit(stash_registry *registry, stash_visit_fn visitor, void 
 /* Call `visitor` on the record under `key`, which stays held; STASH_ERR_MISSING if there is
  * none (not counted as a miss). */
 stash_status stash_peek(stash_registry *registry, const stash_key *key, stash_visit_fn visitor, void *context);
+
+/* Mark the kept record with this id moved off the device (moved non-zero) or back on it (0):
+ * its bytes go from bytes to moved_bytes or back (back: never refused by the budget, and
+ * counted in peak_bytes). STASH_ERR_MISSING if there is no such record, STASH_ERR_ARGUMENT if
+ * it is declined (it holds nothing to move). Setting the state it has changes nothing. */
+stash_status stash_set_moved(stash_registry *registry, uint64_t id, int moved);
 
 /* Copy the counters into *out. */
 stash_status stash_get_stats(stash_registry *registry, stash_stats *out);

@@ -172,6 +172,10 @@ std::optional<std::string> call_difference(const SdpaCall& c, const Payload& rec
     if (choice != kept) return differs("SDPA backend", sdpa_backend_name(kept), sdpa_backend_name(choice));
   }
   const Kept* kept = record.kept();
+  if (kept != nullptr && kept->moved)
+    return std::string(
+        "its kept output was moved off the device (offloading) and not fetched back before its recompute: the "
+        "recompute reached the op without its layer's frame (attnstash/install/offload.py fetches it there)");
   if (kept != nullptr && kept->attention.output._version() != kept->output_version)
     return std::string(
         "the attention output returned by the first forward was modified in place before its recompute, so it no "

@@ -233,6 +233,51 @@ int64_t record_id(const at::Tensor& anchor, int64_t slot) {
   return id;
 }
 
+namespace {
+// The payload of the record with this id (a reference of the caller's), or null.
+PayloadPtr payload_by_id(int64_t id) {
+  PayloadPtr found;
+  visit_records([&](const stash_record& r) {
+    if (static_cast<int64_t>(r.id) == id)
+      found = PayloadPtr::unsafe_reclaim_from_nonowning(static_cast<Payload*>(r.entry->payload));
+  });
+  return found;
+}
+}  // namespace
+
+std::vector<at::Tensor> move_out(int64_t id) {
+  PayloadPtr payload = payload_by_id(id);
+  auto* kept = payload ? std::get_if<Kept>(&payload->state) : nullptr;
+  if (kept == nullptr || kept->moved || kept->attention.output._version() != kept->output_version) return {};
+  std::vector<at::Tensor> out{kept->attention.output, kept->attention.logsumexp};
+  kept->moved_output = TensorMeta::of(out[0]);
+  kept->moved_logsumexp = TensorMeta::of(out[1]);
+  kept->attention.output = at::Tensor();
+  kept->attention.logsumexp = at::Tensor();
+  kept->moved = true;
+  stash_set_moved(registry(), static_cast<uint64_t>(id), 1);
+  return out;
+}
+
+bool move_in(int64_t id, const at::Tensor& output, const at::Tensor& logsumexp) {
+  PayloadPtr payload = payload_by_id(id);
+  auto* kept = payload ? std::get_if<Kept>(&payload->state) : nullptr;
+  if (kept == nullptr || !kept->moved) return false;
+  for (auto [name, was, is] : {std::tuple{"output", &kept->moved_output, TensorMeta::of(output)},
+                               std::tuple{"log-sum-exp", &kept->moved_logsumexp, TensorMeta::of(logsumexp)}})
+    TORCH_CHECK(*was == is, "attnstash: a kept attention ", name, " came back from offloading as ", is.str(),
+                ", but it left as ", was->str(), ": the saved-tensor hooks around this layer's checkpoint (or "
+                "attnstash's offload) must give back what they were given. An offloader that changes what it "
+                "holds (another dtype, a compressed form) cannot carry what attnstash keeps: turn it off around "
+                "the stashed layers, or do not stash them.");
+  kept->attention.output = output;
+  kept->attention.logsumexp = logsumexp;
+  kept->output_version = static_cast<int64_t>(output._version());
+  kept->moved = false;
+  stash_set_moved(registry(), static_cast<uint64_t>(id), 0);
+  return true;
+}
+
 }  // namespace records
 
 RecordOwner::~RecordOwner() {

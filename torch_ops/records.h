@@ -61,6 +61,8 @@ struct CallSignature {
 struct Kept {  // holds the attention: the recompute takes it
   KeptAttention attention;
   int64_t output_version = 0;  // to detect an in-place change of the returned output
+  bool moved = false;          // output and log-sum-exp moved off it until the recompute (records::move_out)
+  TensorMeta moved_output, moved_logsumexp;  // what they were when moved: they must come back so
 };
 struct Declined {};  // declined when stored: a non-reentrant node saved the output itself
 struct Demoted {     // demoted after it was kept (the registry's Budget)
@@ -155,6 +157,14 @@ std::vector<int64_t> held_ids();
 
 // The id of the record held for (anchor, slot), 0 if none.
 int64_t record_id(const at::Tensor& anchor, int64_t slot);
+
+// Offloading (attnstash/install/offload.py): hand out a kept record's output and log-sum-exp,
+// which the record then no longer holds, its bytes counted apart (stash_set_moved); [] if the
+// record is not a kept one, or gone, or its output was modified in place (left for the
+// recompute to refuse). move_in puts them back before its recompute; false if it is gone;
+// fails if they come back with another shape, dtype or device than they left with.
+std::vector<at::Tensor> move_out(int64_t id);
+bool move_in(int64_t id, const at::Tensor& output, const at::Tensor& logsumexp);
 
 }  // namespace records
 

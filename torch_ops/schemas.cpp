@@ -86,6 +86,11 @@ TORCH_LIBRARY(attnstash, m) {
   // "device:SDPBackend value:name" for every kept backend (torch_ops/backends/): the table
   // attnstash/backends.py's KEPT_BACKENDS must match (tests/python/test_package.py checks it).
   m.def("stash_kept_backends() -> str[]", &attnstash::kept_backend_rows);
+  // Offloading (attnstash/install/offload.py): a kept record's output and log-sum-exp handed
+  // out, its bytes counted apart ([] if there is nothing to move), and put back before its
+  // recompute (whether it was still held): records.h, move_out.
+  m.def("_record_move_out(int id) -> Tensor[]", &attnstash::records::move_out);
+  m.def("_record_move_in(int id, Tensor output, Tensor logsumexp) -> bool", &attnstash::records::move_in);
   // Releases one forward's reference of record `id` (its graph was dropped without a
   // backward); whether it was held.
   m.def("stash_release(int id) -> bool", &attnstash::records::release);

@@ -132,13 +132,14 @@ TEST_F(AttnstashOps, OpsAreRegisteredWithCpuAndAutogradKernelsAndCallableFromCpp
   for (const char* name : {"attnstash::stash_stats", "attnstash::stash_stats_meanings", "attnstash::stash_clear",
                            "attnstash::stash_reset_peak", "attnstash::stash_set_max_bytes",
                            "attnstash::stash_held_by_slot", "attnstash::stash_record_id", "attnstash::stash_release",
-                           "attnstash::stash_kept_backends"}) {
+                           "attnstash::stash_kept_backends", "attnstash::_record_move_out",
+                           "attnstash::_record_move_in"}) {
     SCOPED_TRACE(name);
     EXPECT_NO_THROW(Op(name));
   }
 
   // Callable: the utilities answer, and the attention op runs.
-  EXPECT_EQ(StashStats().size(), 9u);
+  EXPECT_EQ(StashStats().size(), 10u);
   EXPECT_EQ(StashClear(), 0);
   Attn a = MakeAttn(1, 2, 2, 8, 16, /*is_causal=*/false, /*enable_gqa=*/false);
   at::Tensor out = FwdKeep(a, MakeAnchor(), /*slot=*/0);
