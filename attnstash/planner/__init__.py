@@ -8,9 +8,10 @@ shape-only forward, no weights needed, nothing computed, no compiled ops needed.
     print(p)                       # the table
     p.per_layer_bytes              # {layer index: bytes one micro-batch keeps}
     p.total_bytes, p.layers_that_fit
+    attnstash.plan(..., offload=True).device_bytes, .host_bytes   records moved to host memory
 
     python -m attnstash.planner CONFIG --batch 4 --seq 4096 [--dtype bf16] [--max-bytes 8GiB]
-        [--device cuda|cpu] [--backend cudnn|flash|efficient] [--padded] [--sm 90]
+        [--device cuda|cpu] [--backend cudnn|flash|efficient] [--padded] [--sm 90] [--offload]
 
 sources.py: the model and the micro-batch's inputs from what is given; shape_only.py: the
 forward without data, recording each F.scaled_dot_product_attention call and its layer (the
@@ -29,6 +30,11 @@ compute capability planned for, or the GPU here) and which plans would keep it: 
 Budget: the installer stashes the last n attention layers, and the budget gives its room to the
 last layers of the forward (csrc/stash_registry.h, Budget); so the layers that fit are counted
 from the last (results.py, layers_within).
+
+Offload: the kept records move to host memory after the first forward and each is fetched back
+one layer ahead of its recompute, so the device holds at most two layers' records per
+micro-batch (the one in use and the next), the host all of them; a budget then counts the
+device's (results.py, held_bytes).
 """
 import contextlib
 import dataclasses
@@ -49,7 +55,7 @@ __all__ = ["plan", "StashPlan", "LayerPlan", "CallPlan"]
 
 def plan(source, *example_inputs, example_kwargs=None, batch_size=None, seq_len=None, latent_frames=None,
          latent_height=None, latent_width=None, text_len=None, dtype=None, device=None, max_bytes=None, padded=False,
-         backend=None, cuda_capability=(9, 0), layers=None) -> StashPlan:
+         backend=None, cuda_capability=(9, 0), layers=None, offload=False) -> StashPlan:
     """What the attention stash keeps per attention layer for one micro-batch.
 
     Args:
@@ -73,6 +79,9 @@ def plan(source, *example_inputs, example_kwargs=None, batch_size=None, seq_len=
             sdpa_kernel([backend]) would; calls it cannot run are reported refused.
         cuda_capability: the compute capability planned for on CUDA without a CUDA device here.
         layers: as install_attention_stash's (None: found by themselves).
+        offload: plan with the records moved to host memory after the first forward and fetched
+            back one layer ahead of the recompute: the result's device_bytes (the two largest
+            layers' records) and host_bytes (all of them); max_bytes counts the device's.
 
     Building and running a model from a config silences other libraries' warnings and log lines
     (quiet.py) and restores every setting after; a model passed in is run as it is.
@@ -84,6 +93,8 @@ def plan(source, *example_inputs, example_kwargs=None, batch_size=None, seq_len=
     from ..errors import InstallError
     from ..install.layers import find_layers
     dtype = dtype_of(dtype) if dtype is not None else None
+    if not isinstance(offload, bool):
+        raise ArgumentError(f"attnstash.plan: offload must be True or False, got {offload!r}.")
     limit = None if max_bytes is None else budget_bytes(max_bytes)
     forced, capability = backend_of(backend), capability_of(cuda_capability)
     planned = _source(source, example_inputs, dict(example_kwargs or {}), batch_size, seq_len, latent_frames,
@@ -110,7 +121,8 @@ def plan(source, *example_inputs, example_kwargs=None, batch_size=None, seq_len=
     if forced is not None:
         decided_by = f"backend={forced.name.lower()}, " + decided_by
     return StashPlan(model=planned.name, layers_found=len(found), inputs=planned.inputs, dtype=planned.dtype,
-                     device=device.type, decided_by=decided_by, layers=tuple(planned_layers), max_bytes=limit)
+                     device=device.type, decided_by=decided_by, layers=tuple(planned_layers), max_bytes=limit,
+                     offload=offload)
 
 
 def _source(source, args, kwargs, batch_size, seq_len, frames, height, width, text_len, dtype, padded):

@@ -34,6 +34,9 @@ def parser():
     p.add_argument("--padded", action="store_true", help="batches with padding (a 4-D attention mask; transformers)")
     p.add_argument("--sm", default="90", help="without a CUDA device: the compute capability planned for, e.g. "
                                               "90 (H100/H200, the default), 80 (A100), 100 (B200)")
+    p.add_argument("--offload", action="store_true",
+                   help="plan with the kept records moved to host memory: about two layers' records on the device "
+                        "(--max-bytes counts those)")
     return p
 
 
@@ -44,7 +47,8 @@ def main(argv=None):
             result = plan(args.config, batch_size=args.batch, seq_len=args.seq, latent_frames=args.latent_frames,
                           latent_height=args.latent_height, latent_width=args.latent_width,
                           text_len=args.text_len, dtype=args.dtype, device=args.device, max_bytes=args.max_bytes,
-                          padded=args.padded, backend=args.backend, cuda_capability=capability_of(args.sm))
+                          padded=args.padded, backend=args.backend, cuda_capability=capability_of(args.sm),
+                          offload=args.offload)
     except (ValueError, RuntimeError) as e:  # a config it cannot read (2), a forward that failed (1): one line
         # (ValueError: ArgumentError, InstallError and json's; RuntimeError: PlanError and torch's)
         print(f"python -m attnstash.planner: error: {str(e).removeprefix('attnstash.plan: ')}", file=sys.stderr)

@@ -17,6 +17,13 @@ def budget_bytes(value):
     return count
 
 
+def held_bytes(sizes, offload=False):
+    """The bytes one micro-batch holds on the device for records of these sizes: all of them, or
+    with offload the two largest (the record in use and the one fetched for the next recompute;
+    the rest wait in host memory)."""
+    return sum(sorted(sizes)[-2:]) if offload else sum(sizes)
+
+
 @dataclasses.dataclass(frozen=True)
 class CallPlan:
     """One F.scaled_dot_product_attention call of one micro-batch, and what the stash keeps for it.
@@ -84,6 +91,8 @@ class StashPlan:
         attnstash/planner/cuda_rules.py (no CUDA device here), or "backend=<name>".
     layers: one LayerPlan per attention layer, in order.
     max_bytes: the budget asked about, or None.
+    offload: planned with records moved to host memory after the first forward and fetched back
+        one layer ahead of the recompute (device_bytes, host_bytes; the budget counts the device's).
     """
     model: str
     layers_found: int
@@ -93,6 +102,7 @@ class StashPlan:
     decided_by: str
     layers: Tuple[LayerPlan, ...]
     max_bytes: Optional[int] = None
+    offload: bool = False
 
     @property
     def per_layer_bytes(self) -> Dict[int, Optional[int]]:
@@ -107,6 +117,19 @@ class StashPlan:
         return sum(layer.bytes or 0 for layer in self.layers)
 
     @property
+    def device_bytes(self) -> Optional[int]:
+        """With offload, the bytes one micro-batch holds on the device with every attention layer
+        stashed: the two largest layers' records (None without offload)."""
+        sizes = [layer.bytes for layer in self.layers if layer.bytes is not None]
+        return held_bytes(sizes, True) if self.offload else None
+
+    @property
+    def host_bytes(self) -> Optional[int]:
+        """With offload, the bytes one micro-batch holds in host memory with every attention layer
+        stashed: all their records, total_bytes (None without offload)."""
+        return self.total_bytes if self.offload else None
+
+    @property
     def layers_that_fit(self) -> Optional[int]:
         """How many attention layers, counted from the last, the budget holds (None without a
         budget): install_attention_stash(model, num_layers=this, max_bytes=max_bytes)."""
@@ -114,17 +137,16 @@ class StashPlan:
 
     def layers_within(self, max_bytes) -> int:
         """The largest n whose last n attention layers keep at most `max_bytes` (an int or a
-        string such as "8GiB", as attnstash.parse_bytes reads it) for one micro-batch; a
-        refused layer ends the count. (The last layers because the budget gives them the room:
-        csrc/stash_registry.h, Budget.)"""
+        string such as "8GiB", as attnstash.parse_bytes reads it) for one micro-batch, on the
+        device with offload (held_bytes); a refused layer ends the count. (The last layers because
+        the budget gives them the room: csrc/stash_registry.h, Budget.)"""
         budget = budget_bytes(max_bytes)
-        held, n = 0, 0
+        kept = []
         for layer in reversed(self.layers):
-            if layer.bytes is None or held + layer.bytes > budget:
+            if layer.bytes is None or held_bytes(kept + [layer.bytes], self.offload) > budget:
                 break
-            held += layer.bytes
-            n += 1
-        return n
+            kept.append(layer.bytes)
+        return len(kept)
 
     def __str__(self):
         from .table import table

@@ -1,6 +1,8 @@
 """The plan as a table (what `python -m attnstash.planner` prints and str(plan) gives)."""
 import torch
 
+from .results import held_bytes
+
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
@@ -72,13 +74,29 @@ def table(p):
     lines.append("")
     lines.append(f"total, all {len(p.layers)} attention layers stashed: {p.total_bytes:,} bytes "
                  f"({_human(p.total_bytes)}) per micro-batch in flight")
+    if p.offload:
+        kept = sum(layer.bytes is not None for layer in p.layers)
+        which = "the two largest layers' records (the one in use, the next fetched)" if kept > 1 else \
+            f"{kept} layer's records"
+        lines.append(f"offload, on the device: {p.device_bytes:,} bytes ({_human(p.device_bytes)}) per micro-batch "
+                     f"in flight, {which}")
+        lines.append(f"offload, in host memory: {p.host_bytes:,} bytes ({_human(p.host_bytes)}) per micro-batch in "
+                     f"flight, all {len(p.layers)} attention layers' records")
     if p.max_bytes is not None:
         n = p.layers_that_fit
-        held = sum(layer.bytes for layer in p.layers[len(p.layers) - n:]) if n else 0
-        lines.append(f"budget {p.max_bytes:,} bytes ({_human(p.max_bytes)}): the last {n} of "
-                     f"{len(p.layers)} attention layers fit ({held:,} bytes)")
-        if n:
-            lines.append(f"    attnstash.install_attention_stash(model, num_layers={n}, max_bytes={p.max_bytes})")
+        sizes = [layer.bytes for layer in p.layers[len(p.layers) - n:]] if n else []
+        if p.offload:
+            lines.append(f"budget {p.max_bytes:,} bytes ({_human(p.max_bytes)}) on the device, for the two largest "
+                         f"layers' records (offload): the last {n} of {len(p.layers)} attention layers fit "
+                         f"({held_bytes(sizes, True):,} bytes on the device, {sum(sizes):,} in host memory)")
+            if n:
+                lines.append(f"    attnstash.install_attention_stash(model, num_layers={n}, max_bytes={p.max_bytes}, "
+                             "offload=True)")
+        else:
+            lines.append(f"budget {p.max_bytes:,} bytes ({_human(p.max_bytes)}): the last {n} of "
+                         f"{len(p.layers)} attention layers fit ({sum(sizes):,} bytes)")
+            if n:
+                lines.append(f"    attnstash.install_attention_stash(model, num_layers={n}, max_bytes={p.max_bytes})")
     reasons = []
     for layer in p.layers:
         for call in layer.calls:
