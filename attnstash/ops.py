@@ -68,16 +68,36 @@ def sdpa_replay(query, key, value, anchor, slot: int, attn_mask=None, dropout_p:
     return _ops.sdpa_replay(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
+_offload_waits = [0]
+OFFLOAD_WAITS = "recomputes whose records attnstash's offload had not fetched back ahead (install/offload.py)"
+
+
 def stash_stats() -> dict:
     """The process-wide stash's counters, by name (csrc/stash_registry.h defines them):
     records, bytes, peak_bytes, max_bytes (-1: no budget), keeps, declined, replays,
-    misses, released_unused. stash_stats_meanings() says what each one counts."""
-    return dict(_ops.stash_stats())
+    misses, released_unused, moved_bytes; and offload_waits (install/offload.py).
+    stash_stats_meanings() says what each one counts."""
+    return dict(_ops.stash_stats(), offload_waits=_offload_waits[0])
 
 
 def stash_stats_meanings() -> dict:
     """{counter: what it counts} for the fields of stash_stats()."""
-    return dict(_ops.stash_stats_meanings())
+    return dict(_ops.stash_stats_meanings(), offload_waits=OFFLOAD_WAITS)
+
+
+def count_offload_wait() -> None:
+    _offload_waits[0] += 1
+
+
+def move_out(record: int) -> list:
+    """Offloading: record `record`'s output and log-sum-exp, which it no longer holds, its bytes
+    counted in moved_bytes; [] if there is nothing to move (torch_ops/records.h, move_out)."""
+    return _ops._record_move_out(record)
+
+
+def move_in(record: int, output, logsumexp) -> bool:
+    """Offloading: put them back before the recompute; whether the record is still held."""
+    return _ops._record_move_in(record, output, logsumexp)
 
 
 def stash_clear() -> int:

@@ -11,7 +11,8 @@ layer      one decoder layer (input x requires grad; loss = sum(layer(x) * g)) u
 seq-sweep  layer mode at each length of --seqs, the micro-batch fixed; each length gets the rounds
            its share of --sweep-seconds holds (5 to 30; --repeats fixes them); a length that fails
            (out of memory) is recorded and the sweep goes on. --offload: every configuration
-           under save_on_cpu (the user's offloading; harness.offloading).
+           under save_on_cpu (the user's offloading; harness.offloading: what the stash keeps goes
+           through it), and the stash with its own offload (offload=True) besides.
 Reported (harness.py measures): medians, saved ms per stashed layer and the efficiency (saved /
 one attention forward alone), the stash against SAC, kept bytes against attnstash.plan's
 prediction, loss and every gradient against plain checkpointing.
@@ -122,7 +123,10 @@ def layer_mode(shape, args, out):
 def seq_sweep(shape, args, out):
     step = LayerStep(dataclasses.replace(shape, seq=args.seqs[0]), seed=args.seed)
     step.offload = args.offload
-    runs = [Run(c, copy.deepcopy(step.model), step) for c in LAYER_CONFIGS[args.checkpointing]]
+    configs = LAYER_CONFIGS[args.checkpointing] + ([dataclasses.replace(c, offload=True)
+                                                    for c in LAYER_CONFIGS[args.checkpointing] if c.stash]
+                                                   if args.offload else [])
+    runs = [Run(c, copy.deepcopy(step.model), step) for c in configs]
     fixed = args.repeats if args.repeats_given else None
     budget, points, everything, t0 = args.sweep_seconds, [], [], time.perf_counter()
     print(f"seq-sweep: one decoder layer, {step.shape.describe()}; micro-batch {shape.batch} at every length "

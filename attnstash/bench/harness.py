@@ -47,10 +47,12 @@ ATTENTION = "attention forward alone"
 class Config:
     """checkpointing: "none", "reentrant", "non-reentrant" or "sac"; stash: None (no stash), k
     (the last k attention layers), 0 (installed on another model only: F.sdpa is attnstash's
-    router, this model has no stash); budget: a max_bytes as written ("2.2MB")."""
+    router, this model has no stash); budget: a max_bytes as written ("2.2MB"); offload: the
+    stash's own offload (install_attention_stash(offload=True))."""
     checkpointing: str
     stash: Optional[int] = None
     budget: Optional[str] = None
+    offload: bool = False
 
     @property
     def name(self):
@@ -58,7 +60,8 @@ class Config:
         if self.stash == 0:
             return f"{base}, stash on 0 layers"
         if self.stash:
-            return f"{base} + stash {self.stash}" + (f", budget {self.budget}" if self.budget else "")
+            return f"{base} + stash {self.stash}" + (f", budget {self.budget}" if self.budget else "") + \
+                (", offload" if self.offload else "")
         return base
 
     @property
@@ -105,7 +108,8 @@ class Run:
         if c.stash == 0:
             attnstash.install_attention_stash(decoy(), 1)
         elif c.stash:
-            attnstash.install_attention_stash(self.model, c.stash, layers=self.subject.layers, max_bytes=c.max_bytes)
+            attnstash.install_attention_stash(self.model, c.stash, layers=self.subject.layers, max_bytes=c.max_bytes,
+                                              offload=c.offload)
 
     def exit(self):
         c = self.config
@@ -165,7 +169,8 @@ def check(runs, reference):
             before, during = attnstash.stash_stats(), {}
             with collector_paused():
                 loss, peak = peak_bytes(run.subject.device, lambda: run.step(
-                    lambda: during.update(layers=attnstash.layer_stash_stats(run.model))))
+                    lambda: during.update(layers=attnstash.layer_stash_stats(run.model),
+                                          moved=attnstash.stash_stats()["moved_bytes"])))
             after = attnstash.stash_stats()
             grads = [g.detach().clone() if g is not None else None for g in run.grads()]
         finally:
@@ -182,7 +187,8 @@ def check(runs, reference):
             "kept_bytes": after["peak_bytes"],
             "held_after_step": {"records": after["records"], "bytes": after["bytes"]},
             "held_after_forward": {str(i): list(h) for i, h in during["layers"].items()},
-            **{k: after[k] - before[k] for k in ("keeps", "declined", "replays", "misses")}}
+            "moved_bytes_after_forward": during["moved"],
+            **{k: after[k] - before[k] for k in ("keeps", "declined", "replays", "misses", "offload_waits")}}
         if run.config.plain is None:
             baselines.setdefault(run.name, (loss, grads))
         del grads

@@ -20,7 +20,8 @@ Anchor. What ties a recompute to its first forward (torch_ops/schemas.cpp): for 
 CHECKPOINT_FUNCTION layer, a token its Run holds for the checkpoint call (so that offloading,
 which hands the recompute a copy of the layer input, cannot break the tie); for a MODULE_CALL
 layer, the forward's first tensor argument (positional first, then keyword), which the
-recompute is handed again (a reentrant checkpoint passes a detached alias of it).
+recompute is handed again (a reentrant checkpoint passes a detached alias of it), or, under
+saved-tensor hooks, which may hand it a copy, a token module_call.py keeps for the forward.
 
 Phase, frame and slots. Each forward of a stashed layer runs in a frame on its thread's
 stack (open_frame decides the phase; the ops decide again from what they see, by the rule in
@@ -41,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from . import compiled
+from . import compiled, dropout, module_call, offload
 from ..errors import CheckpointingError, KeepError, ReplayError, StashError
 from .layers import ATTR, CHECKPOINT_FUNCTION
 from .random_state import Rng, preserves_rng
@@ -58,10 +59,13 @@ class LayerStash:
     """One stashed layer: its index and name (for messages), how its checkpointed forward is
     reached, its class's forward, its slots, and the attention calls of its last first forward that kept (None
     before one; attention_layers prints it)."""
-    __slots__ = ("index", "name", "reach", "slot_base", "calls", "forward", "kind", "__weakref__")
+    __slots__ = ("index", "name", "reach", "slot_base", "calls", "forward", "kind", "pending", "offload",
+                 "__weakref__")
 
-    def __init__(self, index, name, reach, forward=None, kind=""):
+    def __init__(self, index, name, reach, forward=None, kind="", offload=None):
         self.index, self.name, self.reach, self.calls, self.kind = index, name, reach, None, kind  # kind: class name
+        self.pending = []  # MODULE_CALL first forwards awaiting their recompute under a token (module_call.py)
+        self.offload = offload  # the install's offload.Own, or None
         self.forward = forward  # the layer class's forward function (what torch.compile traces: compiled.py)
         self.slot_base = next(_bases) << SLOT_BITS
         _live.add(self)
@@ -71,7 +75,8 @@ class LayerStash:
 
     def __deepcopy__(self, memo):
         # A deep copy of a stashed model has an install of its own, with slots of its own.
-        return LayerStash(self.index, self.name, self.reach, self.forward, self.kind)
+        own = None if self.offload is None else memo.setdefault(id(self.offload), offload.Own())  # one per install
+        return LayerStash(self.index, self.name, self.reach, self.forward, self.kind, own)
 
 
 def stash_of(layer):
@@ -110,12 +115,13 @@ class Frame:
     recompute (which replays). `limit`: the calls a recompute may route (its first forward's,
     where known). `rng`: the random state at the first forward's start, where the recompute's
     must be checked (random_state.Rng)."""
-    __slots__ = ("stash", "anchor", "keep", "first", "calls", "limit", "rng", "kept")
+    __slots__ = ("stash", "anchor", "keep", "first", "calls", "limit", "rng", "kept", "mover", "moving", "moved")
 
-    def __init__(self, stash, anchor, keep, first, limit=None, rng=None):
+    def __init__(self, stash, anchor, keep, first, limit=None, rng=None, mover=None):
         self.stash, self.anchor, self.keep, self.first = stash, anchor, keep, first
         self.calls, self.limit, self.rng = 0, limit, rng
         self.kept = []  # records a reentrant first forward kept (for its graph to own)
+        self.mover, self.moving, self.moved = mover, [], None  # offload.py: its records, moved after it
 
     def attend(self, *args, **kwargs):
         try:
@@ -139,41 +145,18 @@ class Frame:
         except RuntimeError as e:
             if not str(e).startswith("attnstash"):
                 raise
-            holder = _dropout_holder(dropout_p) if dropout_p else ""
+            holder = dropout.holder(dropout_p) if dropout_p else ""
             raise (KeepError if self.first else ReplayError)(f"attnstash: {self.stash.name}: {e}{holder}") from e
         reentrant = self.first and not torch.is_grad_enabled()
-        if reentrant or noted is not None:
+        if reentrant or noted is not None or self.mover is not None:
             record = ops.record_id(self.anchor, slot)
             if record and reentrant:
                 self.kept.append(record)
+            if record and self.mover is not None:
+                self.moving.append(record)
             if record and noted is not None:
                 Rng.note(record, noted)
         return out
-
-
-def _dropout_holder(dropout_p):
-    """Where the attention dropout a refused call passed comes from, for its message: an
-    attribute of the module that called attention (`self` or `module` of a caller on the stack)
-    holding that value, a float or an nn.Dropout's p ("" if none is found)."""
-    frame = sys._getframe(2)
-    try:
-        for _ in range(8):
-            if frame is None:
-                break
-            for module in (frame.f_locals.get("self"), frame.f_locals.get("module")):
-                if not isinstance(module, torch.nn.Module):
-                    continue
-                for name, value in itertools.chain(vars(module).items(), module._modules.items()):
-                    p = value.p if isinstance(value, torch.nn.Dropout) else value
-                    if "drop" in name and isinstance(p, float) and p == dropout_p:
-                        attr = f"{name}.p" if isinstance(value, torch.nn.Dropout) else name
-                        return (f" It comes from {type(module).__name__}.{attr} = {dropout_p} (the module that calls "
-                                "attention): build the model with that dropout at 0.0 (its config's attention "
-                                f"dropout field), or set {attr} = 0.0 on those modules before training.")
-            frame = frame.f_back
-    finally:
-        del frame
-    return ""
 
 
 def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token=None):
@@ -196,16 +179,17 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token
     # Grad off: a reentrant checkpoint's first forward, or a forward under no_grad that no
     # backward can reach; the call outside the checkpoint tells them apart, where it is seen.
     reachable = grad or outer_grad is None or outer_grad
-    if not grad and hooks and reachable and token is None:
+    if not grad and hooks and reachable and token is None and anchor.requires_grad:
         raise CheckpointingError(
             f"attnstash: {stash.name} runs a reentrant checkpoint under saved-tensor hooks (offloaded "
-            "checkpointing: torch.autograd.graph.save_on_cpu, or an offloading context): they give the recompute "
-            "a copy of the layer input, so it could not find its kept output. attnstash follows offloading for "
-            "layers reached through their checkpoint function (transformers models), not for a layer whose "
-            "checkpoint calls the module itself, as this one's does: turn offloading off for it, or do not "
-            "stash it.")
+            "checkpointing: torch.autograd.graph.save_on_cpu, or an offloading context), and its input is a leaf "
+            "tensor that requires grad (no op before the checkpoint): the hooks may give the recompute a copy of "
+            "it, and with no node before the checkpoint nothing can tie the recompute to its first forward for as "
+            "long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), use "
+            "non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
     return Frame(stash, anchor if token is None else token, reachable, first=True,
-                 rng=Rng.first(anchor.device, preserves) if reachable and preserves is not True else None)
+                 rng=Rng.first(anchor.device, preserves) if reachable and preserves is not True else None,
+                 mover=offload.mover_for(stash, grad) if reachable and token is not None else None)
 
 
 def close_frame(frame):
@@ -230,6 +214,8 @@ def run_in_frame(frame, fn, args, kwargs):
     finally:
         frames.remove(frame)
     close_frame(frame)
+    if frame.moving:
+        frame.moved = offload.move_out(frame.mover, frame.moving)
     return out
 
 
@@ -280,9 +266,16 @@ def _eager_forward(layer, forward, args, kwargs):
             raise compiled.checkpointing_off(stash)
     # Eval and generation: untouched; a recompute follows its first forward, whatever the
     # training flag says by then.
-    if not layer.training and not in_backward():
+    backward = in_backward()
+    if not layer.training and not backward:
         return forward(*args, **kwargs)
-    return run_in_frame(open_frame(stash, anchor_of(stash, args, kwargs)), forward, args, kwargs)
+    anchor = anchor_of(stash, args, kwargs)
+    token = module_call.token(stash, anchor, backward, saved_tensor_hooks_active)
+    frame = open_frame(stash, anchor, token=token)
+    out = run_in_frame(frame, forward, args, kwargs)
+    if frame.moved is not None:
+        module_call.hold(stash, token, frame.moved)
+    return out
 
 
 def _reached_by_checkpoint_function(stash, layer, forward, args, kwargs):
@@ -348,14 +341,15 @@ class Run(functools.partial):
     routed. A functools.partial of that forward (the same func, args and keywords), so that a
     checkpoint function that looks into what it is given finds the layer as it would without
     the stash (LLaMA-Factory's: `func.func.__self__` when `isinstance(func, partial)`)."""
-    __slots__ = ("stash", "fn", "outer_grad", "preserves", "routed", "kept", "token")
+    __slots__ = ("stash", "fn", "outer_grad", "preserves", "routed", "kept", "token", "moved")
 
     def __new__(cls, stash, fn, outer_grad, preserves):
         self = super().__new__(cls, fn)
         self.stash, self.fn, self.outer_grad, self.preserves = stash, fn, outer_grad, preserves
         self.routed = None  # attention calls the first forward routed (0: it kept nothing)
         self.kept = []
-        self.token = torch.zeros((), device="cpu", requires_grad=True)  # what the ops anchor on (Anchor, above)
+        self.token = module_call.new_token()  # what the ops anchor on (Anchor, above)
+        self.moved = None  # what offload.py moved off the device after the first forward
         return self
 
     def __getattr__(self, name):
@@ -365,13 +359,15 @@ class Run(functools.partial):
         stash = self.stash
         anchor = anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None))
         if in_backward():
+            if self.moved is not None:
+                self.moved.fetch()
             return run_in_frame(open_frame(stash, anchor, limit=self.routed if self.routed is not None else 0,
                                            token=self.token), self.fn, args, kwargs)
         reached = _reached()
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
         frame = open_frame(stash, anchor, self.outer_grad, preserves=self.preserves, token=self.token)
         out = run_in_frame(frame, self.fn, args, kwargs)
-        self.routed, self.kept = (frame.calls if frame.keep else 0), frame.kept
+        self.routed, self.kept, self.moved = (frame.calls if frame.keep else 0), frame.kept, frame.moved
         return out
 
     def own(self, out):
@@ -414,9 +410,10 @@ class _Owner:
 
 # ---- install and uninstall -------------------------------------------------------------------------
 
-def attach(layer, index, name, reach):
-    """Stash one layer (the caller holds _lock and has patched the router)."""
-    stash = LayerStash(index, name, reach, type(layer).forward, type(layer).__name__)
+def attach(layer, index, name, reach, own=None):
+    """Stash one layer (the caller holds _lock and has patched the router); `own`: its install's
+    offload.Own, if any."""
+    stash = LayerStash(index, name, reach, type(layer).forward, type(layer).__name__, own)
     previous = layer.__dict__.get("forward")
     if previous is not None:
         layer.__dict__[PREVIOUS] = previous

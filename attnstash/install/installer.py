@@ -2,11 +2,11 @@
 rules (see the package's docstring)."""
 from .. import budget, ops
 from ..errors import InstallError
-from . import core, routing, transformers_adapter
+from . import core, offload as offloading, routing, transformers_adapter
 from .layers import CHECKPOINT_FUNCTION, find_layers, layer_count
 
 
-def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=None):
+def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=None, offload=False):
     """Stash the attention of a model's last `num_layers` attention layers.
 
     Args:
@@ -22,6 +22,10 @@ def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=No
         max_bytes: a budget for as long as this install lasts (an int or a string such as
             "8GiB", attnstash.parse_bytes); its uninstall gives back the budget it replaced.
             None leaves the budget as it is. What a budget does: csrc/stash_registry.h, Budget.
+        offload: True to move what the stash keeps to pinned host memory after each first
+            forward and fetch it back ahead of its recompute (install/offload.py, Own): the
+            device then holds about two layers' records. On a CPU it moves nothing. Without it,
+            the user's offloading hooks around the checkpoints move them (offload.py, Hooks).
 
     Returns:
         The indices of the stashed layers among the layers found (find_layers).
@@ -31,6 +35,8 @@ def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=No
         UnsupportedVersionError for a transformers or diffusers outside the supported range. On
         any error nothing is installed.
     """
+    if not isinstance(offload, bool):
+        raise InstallError(f"attnstash: offload must be True or False, got {offload!r}.")
     count_wanted = layer_count(num_layers)
     limit = budget.parse_bytes(max_bytes)
     found = find_layers(model, layers)
@@ -59,10 +65,10 @@ def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=No
             routing.patch()
             if any(f.reach is CHECKPOINT_FUNCTION for _, f in chosen):
                 transformers_adapter.patch(core.stand_in)
-            token = None
+            token, own = None, offloading.Own() if offload else None
             for index, f in chosen:
                 stash = core.attach(f.module, index, f"layer {index} ({f.name or 'the model'}, "
-                                    f"{type(f.module).__name__})", f.reach)
+                                    f"{type(f.module).__name__})", f.reach, own)
                 done.append(f.module)
                 token = token or stash
             if limit is not None:

@@ -2,6 +2,8 @@
 
     ATTNSTASH_LAYERS=all           every attention layer ("all"), or a number: the last N
     ATTNSTASH_MAX_BYTES=8GiB       the budget (what attnstash.parse_bytes reads), optional
+    ATTNSTASH_OFFLOAD=1            attnstash's own offload of what it keeps (install_attention_stash's
+                                   offload=True), optional: 1 or 0
 
 In every Python process started with ATTNSTASH_LAYERS set, the stash is installed on each model
 at the moment its checkpointing is enabled: transformers' gradient_checkpointing_enable (and
@@ -24,13 +26,13 @@ import importlib.util
 import os
 import sys
 
-LAYERS, MAX_BYTES = "ATTNSTASH_LAYERS", "ATTNSTASH_MAX_BYTES"
+LAYERS, MAX_BYTES, OFFLOAD = "ATTNSTASH_LAYERS", "ATTNSTASH_MAX_BYTES", "ATTNSTASH_OFFLOAD"
 enabled = 0  # how often checkpointing was turned on for a model in this process (install() ran)
 
 
 def settings(environ=os.environ):
-    """(num_layers or None for all, max_bytes or None) from the environment; ValueError naming the
-    variable, its value and what it accepts."""
+    """(num_layers or None for all, max_bytes or None, offload) from the environment; ValueError
+    naming the variable, its value and what it accepts."""
     layers = environ.get(LAYERS, "").strip()
     if layers.lower() == "all":
         num_layers = None
@@ -47,7 +49,11 @@ def settings(environ=os.environ):
         except ValueError as e:
             raise ValueError(f"attnstash: {MAX_BYTES}={max_bytes!r}: {str(e).removeprefix('attnstash: ')} Unset it "
                              "for no budget.") from None
-    return num_layers, max_bytes
+    offload = environ.get(OFFLOAD, "0").strip()
+    if offload not in ("0", "1"):
+        raise ValueError(f"attnstash: {OFFLOAD}={environ.get(OFFLOAD)!r}: use 1 (move what the stash keeps to host "
+                         "memory until its recompute) or 0 (keep it on the device); unset means 0.")
+    return num_layers, max_bytes, offload == "1"
 
 
 def _budget():
@@ -68,11 +74,11 @@ def install(model):
     global enabled
     enabled += 1
     import attnstash
-    num_layers, max_bytes = settings()
+    num_layers, max_bytes, offload = settings()
     if attnstash.layer_stash_stats(model):
         return
     try:
-        attnstash.install_attention_stash(model, num_layers, max_bytes=max_bytes)
+        attnstash.install_attention_stash(model, num_layers, max_bytes=max_bytes, offload=offload)
     except attnstash.InstallError as e:
         raise attnstash.InstallError(f"attnstash ({LAYERS}={os.environ.get(LAYERS)}): "
                                      f"{str(e).removeprefix('attnstash: ')}") from e

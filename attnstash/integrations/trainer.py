@@ -57,6 +57,8 @@ class AttentionStashCallback(TrainerCallback):
             the install.
         install: False to only report on the model's stash, installed some other way (what
             ATTNSTASH_LAYERS adds to every Trainer: attnstash/integrations/autostash.py).
+        offload: install_attention_stash's offload: what the stash keeps waits in host memory
+            until its recompute.
 
     At train end it prints one line to stderr: the layers stashed, and the keeps, replays,
     declined keeps and peak bytes of the run (summary()).
@@ -113,10 +115,12 @@ class AttentionStashCallback(TrainerCallback):
     callback.uninstall() removes it and restores the budget at once.
     """
 
-    def __init__(self, num_layers=None, max_bytes=None, *, install=True):
+    def __init__(self, num_layers=None, max_bytes=None, *, install=True, offload=False):
         budget.parse_bytes(max_bytes)  # a bad budget or layer count fails here, not at train begin
+        if not isinstance(offload, bool):
+            raise ValueError(f"attnstash: AttentionStashCallback(offload=...) must be True or False, got {offload!r}.")
         self.num_layers = layer_count(num_layers)
-        self.max_bytes = max_bytes
+        self.max_bytes, self.offload = max_bytes, offload
         self.installs = install   # False: only report (the stash comes from elsewhere: ATTNSTASH_LAYERS)
         self.layers = None        # the decoder layers stashed in the current run (install_attention_stash's result)
         self._model = None        # weakref to the model with the stash, while installed
@@ -130,7 +134,7 @@ class AttentionStashCallback(TrainerCallback):
 
     def __repr__(self):
         return (f"AttentionStashCallback(num_layers={self.num_layers!r}, max_bytes={self.max_bytes!r}"
-                + ("" if self.installs else ", install=False") + ")")
+                + ("" if self.installs else ", install=False") + (", offload=True" if self.offload else "") + ")")
 
     # ---- the trainer's events ----------------------------------------------------------------
 
@@ -158,7 +162,8 @@ class AttentionStashCallback(TrainerCallback):
                 "with install_attention_stash: use AttentionStashCallback or install_attention_stash, not both. Remove "
                 "the callback, or call attnstash.uninstall_attention_stash(model) before training.")
         try:
-            layers = install.install_attention_stash(model, self.num_layers, max_bytes=self.max_bytes)
+            layers = install.install_attention_stash(model, self.num_layers, max_bytes=self.max_bytes,
+                                                     offload=self.offload)
         except InstallError as e:
             raise InstallError(f"attnstash: AttentionStashCallback cannot install the stash on the trainer's model "
                                f"({type(model).__name__}): {str(e).removeprefix('attnstash: ')}") from e

@@ -18,15 +18,18 @@
 #   pytest-gpu  every GPU test: each kept backend with and without masks, fully-masked rows,
 #               opcheck, Hugging Face steps under both checkpointing modes, CUDA autocast
 #               (bf16, fp16), the budget, the planner's prediction against the kept bytes, the
-#               installer under inductor (the whole model; blocks inside eager checkpoints)
+#               installer under inductor (the whole model; blocks inside eager checkpoints), the
+#               user's offloading (transformers' offload=True; pinned save_on_cpu around a plain
+#               model: the recompute handed a copy), both checkpointing modes
 #   profile     one decoder layer at the Qwen3-30B-A3B attention shape (bf16, batch 4, 32 query /
 #               4 KV heads of 128, sequence 4096, causal) under torch.profiler: reentrant and
 #               non-reentrant, without and with the stash, and SAC (profile.md)
 #   layer       the same layer timed, interleaved rounds (layer.json)
 #   seq-sweep   sequence lengths 1k to 32k at that attention shape, batch 4 (seq_sweep.png)
 #   offload     the same at 16k and 32k under the user's offloading (save_on_cpu, pinned) around
-#               every configuration: peak device memory, step times, the stash against SAC
-#               (offload/seq_sweep.json, offload_seq_sweep.png)
+#               every configuration (what the stash keeps goes through it), and the stash with its
+#               own offload (offload=True): peak device memory, step times, recompute waits
+#               (offload_waits), the stash against SAC (offload/seq_sweep.json, offload_seq_sweep.png)
 #   bench       a 4-layer model at that shape, one step per configuration (bench.png)
 #   compile     the 4-layer model under torch.compile (inductor): compiled checkpointing without and
 #               with the stash, compiled SAC, eager with the stash; graphs, attention forwards per
@@ -120,8 +123,10 @@ if dev == \"cuda\":
 '"
 
 # Every test that needs a GPU: test_gpu_ops.py (the ops), test_plan_cuda.py (the planner's
-# CUDA rules against torch's own choice) and test_gpu_compile.py (the installer under inductor).
+# CUDA rules against torch's own choice), test_gpu_compile.py (the installer under inductor) and
+# test_gpu_offload.py (the user's offloading, the recompute handed a copy).
 stage pytest-gpu 300 $PY -m pytest tests/python/test_gpu_ops.py tests/python/test_plan_cuda.py tests/python/test_gpu_compile.py \
+  tests/python/test_gpu_offload.py \
   -v -rs -p no:cacheprovider --junitxml="$WORK/pytest-gpu.xml"
 
 BENCH=("$PY" -m attnstash.bench --preset "$PRESET" --device "$DEVICE" --out "$WORK")
@@ -134,6 +139,7 @@ stage bench 200 "${BENCH[@]}" "${QUICK[@]}"
 stage compile 240 "${BENCH[@]}" --mode compile "${QUICK[@]}"
 stage dit 200 "$PY" -m attnstash.bench --mode dit --device "$DEVICE" --out "$WORK" "${DIT[@]}" "${QUICK[@]}"
 stage pytest 300 $PY -m pytest tests/python -q -rs -p no:cacheprovider --ignore=tests/python/test_gpu_ops.py --ignore=tests/python/test_gpu_compile.py \
+  --ignore=tests/python/test_gpu_offload.py \
   --junitxml="$WORK/pytest.xml" "${PYTEST_REST[@]}"
 
 echo "=== failed stages: ${failed[*]:-none}" | tee -a "$OUT/summary.txt"

@@ -62,6 +62,16 @@ def test_the_stash_is_installed_when_checkpointing_is_enabled(mode, layers, stas
     assert not with_it["torch_at_start"]  # the start-up line imports no torch
 
 
+@pytest.mark.parametrize("value,offload", [(None, "NoneType"), ("0", "NoneType"), ("1", "Own")])
+def test_attnstash_offload_installs_the_own_offload(value, offload):
+    code = ("import json\nfrom tiny_models import tiny_model\nfrom attnstash.install import core\n"
+            "m = tiny_model('llama', layers=2)\nm.gradient_checkpointing_enable()\n"
+            "print(json.dumps(sorted({type(core.stash_of(l).offload).__name__ for l in m.model.layers})))")
+    out, err, rc = run(code, ATTNSTASH_LAYERS="all", ATTNSTASH_OFFLOAD=value)
+    assert rc == 0, err
+    assert out == [offload]
+
+
 def test_the_budget_comes_from_attnstash_max_bytes():
     code = STEP.format(mode="reentrant", torch_at_start="False")
     with_it, err, rc = run(code, ATTNSTASH_LAYERS="all", ATTNSTASH_MAX_BYTES="1KiB")
@@ -73,6 +83,7 @@ def test_the_budget_comes_from_attnstash_max_bytes():
     ("ATTNSTASH_LAYERS", "banana", 'ATTNSTASH_LAYERS=\'banana\' is not a number of layers: use "all"'),
     ("ATTNSTASH_LAYERS", "0", "a positive int (the last N attention layers)"),
     ("ATTNSTASH_MAX_BYTES", "lots", "ATTNSTASH_MAX_BYTES='lots': cannot read 'lots' as a byte count"),
+    ("ATTNSTASH_OFFLOAD", "yes", "ATTNSTASH_OFFLOAD='yes': use 1 (move what the stash keeps to host memory"),
 ])
 def test_a_bad_value_ends_the_process_at_once_with_what_it_accepts(variable, value, words):
     env = {"ATTNSTASH_LAYERS": "all", variable: value}

@@ -1,0 +1,118 @@
+"""The tie between a MODULE_CALL layer's first forward and its recompute under saved-tensor
+hooks (core.py, Anchor).
+
+Such a layer's checkpoint is not seen from outside, so no Run holds a token for the checkpoint
+call. Under saved-tensor hooks (a non-reentrant checkpoint's own, and the user's offloading)
+the recompute may be handed a copy of the layer input, at another address: the ops then anchor
+on a token made for the first forward (new_token), in a Pending entry that the layer's stash
+lists until its record is gone (with the layer's own offload too: the entry holds what
+offload.py moved). The entry lives as long as the graph that can recompute the forward: it is
+held by the grad_fn of the layer input (the node before the checkpoint), else, for a
+non-reentrant checkpoint (whose records its own graph node owns), by the list until that
+record is gone. A recompute takes the token whose first forward's input it was
+handed (the same tensor, where the hooks did not copy it), else the one pending token; more
+than one it cannot tell apart, and says so.
+"""
+import weakref
+
+import torch
+
+from .. import ops
+from ..errors import ReplayError
+
+_HELD = "attnstash_tokens"  # the key of the tokens a grad_fn holds, in its metadata
+
+
+def new_token():
+    """What the ops anchor on in place of a layer input: a 0-dim CPU tensor that requires grad
+    (torch_ops/keep_replay.h, Phase: hooks that offload never copy it)."""
+    return torch.zeros((), device="cpu", requires_grad=True)
+
+
+class Pending:
+    """One first forward awaiting its recompute: its token, its layer input (weakly), and what
+    offload.py moved off the device after it (or None)."""
+    __slots__ = ("token", "layer_input", "moved", "__weakref__")
+
+    def __init__(self, token, layer_input):
+        self.token, self.layer_input, self.moved = token, weakref.ref(layer_input), None
+
+
+def _entry(held):
+    return held() if isinstance(held, weakref.ref) else held
+
+
+def _live(stash):
+    """The pending first forwards whose record is still held (the others are dropped)."""
+    kept, live = [], []
+    for held in stash.pending:
+        entry = _entry(held)
+        if entry is not None and ops.record_id(entry.token, stash.slot_base):
+            kept.append(held)
+            live.append(entry)
+    stash.pending = kept
+    return live
+
+
+def _handed(entry, layer_input):
+    """Whether the recompute was handed the very input of this entry's first forward."""
+    original = entry.layer_input()
+    return original is not None and original.data_ptr() == layer_input.data_ptr() and \
+        original.shape == layer_input.shape
+
+
+def token(stash, layer_input, backward, hooks_active):
+    """What a MODULE_CALL layer's forward anchors on in place of its input, or None (the input)."""
+    grad = torch.is_grad_enabled()
+    if backward:
+        return recompute_token(stash, layer_input) if grad else None
+    return first_forward_token(stash, layer_input, grad) if stash.offload is not None or hooks_active() else None
+
+
+def first_forward_token(stash, layer_input, grad):
+    """A token for a first forward under saved-tensor hooks (or with the layer's own offload),
+    or None where none can be held for as long as its recompute may come (a reentrant
+    checkpoint of a leaf input: open_frame refuses it under hooks)."""
+    holder = layer_input.grad_fn
+    if holder is None and not grad:
+        return None
+    _live(stash)
+    entry = Pending(new_token(), layer_input)
+    if holder is not None:  # the graph holds it; the layer only looks it up
+        holder.metadata.setdefault(_HELD, []).append(entry)
+        stash.pending.append(weakref.ref(entry))
+    else:  # a non-reentrant checkpoint: its own node owns the record, which _live follows
+        stash.pending.append(entry)
+    return entry.token
+
+
+def hold(stash, token, moved):
+    """The first forward of `token` moved records off the device (offload.py): its entry holds them."""
+    for entry in map(_entry, stash.pending):
+        if entry is not None and entry.token is token:
+            entry.moved = moved
+            return
+
+
+def recompute_token(stash, layer_input):
+    """The token of the first forward this recompute repeats, with its moved records fetched
+    back, or None if no first forward is pending (the ops then look for the layer input itself,
+    and say what they miss)."""
+    if not stash.pending:
+        return None
+    live = _live(stash)
+    entry = next((e for e in live if _handed(e, layer_input)), None)
+    if entry is None and len(live) == 1:
+        entry = live[0]
+    if entry is None and live:
+        raise ReplayError(
+            f"attnstash: {stash.name}: its recompute was handed a copy of the layer input (saved-tensor hooks that "
+            f"offload it), while {len(live)} of its first forwards are waiting for their recompute (the layer ran "
+            "more than once before this backward: shared weights, or several forwards before one backward), so "
+            "attnstash cannot tell which one this recompute repeats. Run the backward of each forward before the "
+            "next forward of this layer, turn offloading off for it, or do not stash it.")
+    if entry is None:
+        return None
+    if entry.moved is not None:
+        entry.moved.fetch()
+    return entry.token
