@@ -79,8 +79,9 @@ def parse_args(argv=None):
                    help="seq-sweep mode: sequence lengths (default 1024,4096,16384,32768; 4k = 4096)")
     p.add_argument("--sweep-seconds", type=float, default=60.0, help="seq-sweep mode: seconds for the timed rounds")
     p.add_argument("--offload", action="store_true",
-                   help="seq-sweep mode: every step under the user's activation offloading "
-                        "(torch.autograd.graph.save_on_cpu, pinned on CUDA) around the checkpoints")
+                   help="seq-sweep mode: every step under the user's activation offloading (on CUDA "
+                        "transformers' activation_checkpointing_enable(offload=True) where it has it, else "
+                        "torch.autograd.graph.save_on_cpu around the forward), plus the stash with its own offload")
     p.add_argument("--tokens", type=_list(_length), default=None, help="dit mode: image tokens (default: the preset's)")
     p.add_argument("--steps", type=int, default=300, help="soak mode: steps under each checkpointing mode")
     p.add_argument("--traces", action="store_true", help="profile mode: also write each Chrome trace (.json.gz)")

@@ -11,8 +11,8 @@ layer      one decoder layer (input x requires grad; loss = sum(layer(x) * g)) u
 seq-sweep  layer mode at each length of --seqs, the micro-batch fixed; each length gets the rounds
            its share of --sweep-seconds holds (5 to 30; --repeats fixes them); a length that fails
            (out of memory) is recorded and the sweep goes on. --offload: every configuration
-           under save_on_cpu (the user's offloading; harness.offloading: what the stash keeps goes
-           through it), and the stash with its own offload (offload=True) besides.
+           under the user's offloading (what the stash keeps goes through it; offload_kind says
+           which), and the stash with its own offload (offload=True) besides.
 Reported (harness.py measures): medians, saved ms per stashed layer and the efficiency (saved /
 one attention forward alone), the stash against SAC, kept bytes against attnstash.plan's
 prediction, loss and every gradient against plain checkpointing.
@@ -120,9 +120,21 @@ def layer_mode(shape, args, out):
     return result
 
 
+def offload_kind(device):
+    """The user's offloading the sweep runs under: on CUDA, transformers' own where it has one
+    (activation_checkpointing_enable(offload=True): save_on_cpu, pinned, around each checkpoint),
+    else save_on_cpu around the forward (harness.offloading; pinned on CUDA)."""
+    import inspect
+    from transformers import PreTrainedModel
+    enable = getattr(PreTrainedModel, "activation_checkpointing_enable", None)
+    if torch.device(device).type == "cuda" and enable is not None and "offload" in inspect.signature(enable).parameters:
+        return "transformers"
+    return "save_on_cpu"
+
+
 def seq_sweep(shape, args, out):
     step = LayerStep(dataclasses.replace(shape, seq=args.seqs[0]), seed=args.seed)
-    step.offload = args.offload
+    step.offload = offload_kind(shape.device) if args.offload else None
     configs = LAYER_CONFIGS[args.checkpointing] + ([dataclasses.replace(c, offload=True)
                                                     for c in LAYER_CONFIGS[args.checkpointing] if c.stash]
                                                    if args.offload else [])
@@ -130,7 +142,8 @@ def seq_sweep(shape, args, out):
     fixed = args.repeats if args.repeats_given else None
     budget, points, everything, t0 = args.sweep_seconds, [], [], time.perf_counter()
     print(f"seq-sweep: one decoder layer, {step.shape.describe()}; micro-batch {shape.batch} at every length "
-          f"{args.seqs}{'; every step under save_on_cpu (--offload)' if args.offload else ''}", flush=True)
+          f"{args.seqs}{f'; every step under the offloading of {step.offload} (--offload)' if args.offload else ''}",
+          flush=True)
     for i, seq in enumerate(args.seqs):
         share, start = budget / (len(args.seqs) - i), time.perf_counter()
         for run in runs:
@@ -159,7 +172,7 @@ def seq_sweep(shape, args, out):
         report.print_rows(point)
     result = {"mode": "seq-sweep", "preset": args.preset, "shape": dataclasses.asdict(step.shape),
               "environment": environment(shape.device), "checkpointing": args.checkpointing, "seqs": args.seqs,
-              "offload": args.offload,
+              "offload": step.offload,
               "batch": shape.batch, "sweep_seconds": args.sweep_seconds, "rounds_fixed": fixed, "points": points,
               "seconds": time.perf_counter() - t0}
     report.print_measurements(everything)

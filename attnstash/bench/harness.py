@@ -90,7 +90,8 @@ class Run:
 
     def __init__(self, config, model, subject, tag=""):
         self.config, self.subject, self.tag = config, subject, tag
-        self.model = enable_checkpointing(model, config.checkpointing)
+        self.model = enable_checkpointing(model, config.checkpointing,
+                                          offload=getattr(subject, "offload", None) == "transformers")
         self.losses = []
 
     def name_of(self, config):
@@ -138,8 +139,9 @@ class Run:
 
 def offloading(subject):
     """The user's activation offloading around the forward where the subject asks for it
-    (seq-sweep --offload): save_on_cpu, pinned on CUDA."""
-    if not getattr(subject, "offload", False):
+    (seq-sweep --offload without transformers' own: decoder.offload_kind): save_on_cpu, pinned
+    on CUDA."""
+    if getattr(subject, "offload", None) != "save_on_cpu":
         return contextlib.nullcontext()
     return torch.autograd.graph.save_on_cpu(pin_memory=torch.device(subject.device).type == "cuda")
 

@@ -122,10 +122,11 @@ def sac_ops(device):
     return [row.forward_op for row in backends.KEPT_BACKENDS if row.device == kind and row.forward_op is not None]
 
 
-def enable_checkpointing(model, kind):
+def enable_checkpointing(model, kind, offload=False):
     """kind: "none", "reentrant", "non-reentrant" or "sac" (non-reentrant, selective activation
     checkpointing saving the SDPA ops), for a transformers model (gradient_checkpointing_enable)
-    or a diffusers one (enable_gradient_checkpointing: its own default is non-reentrant)."""
+    or a diffusers one (enable_gradient_checkpointing: its own default is non-reentrant).
+    `offload`: transformers' own offloading of what the checkpoints save (offload=True)."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
     if kind not in ("none", "reentrant", "non-reentrant", "sac"):
         raise ValueError(f"unknown checkpointing kind {kind!r}")
@@ -138,7 +139,7 @@ def enable_checkpointing(model, kind):
         if kind == "none":
             getattr(model, f"{prefix}_checkpointing_disable")()
         else:
-            getattr(model, f"{prefix}_checkpointing_enable")(kwargs)
+            getattr(model, f"{prefix}_checkpointing_enable")(kwargs, **({"offload": True} if offload else {}))
     elif kind == "none":  # diffusers
         model.disable_gradient_checkpointing()
     elif kind == "non-reentrant":

@@ -123,6 +123,11 @@ class StashPlan:
         sizes = [layer.bytes for layer in self.layers if layer.bytes is not None]
         return held_bytes(sizes, True) if self.offload else None
 
+    def held_on_device(self, sizes) -> int:
+        """What records of these sizes hold on the device for one micro-batch, by this plan
+        (held_bytes)."""
+        return held_bytes(sizes, self.offload)
+
     @property
     def host_bytes(self) -> Optional[int]:
         """With offload, the bytes one micro-batch holds in host memory with every attention layer

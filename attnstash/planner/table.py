@@ -1,7 +1,6 @@
 """The plan as a table (what `python -m attnstash.planner` prints and str(plan) gives)."""
 import torch
 
-from .results import held_bytes
 
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
@@ -88,7 +87,7 @@ def table(p):
         if p.offload:
             lines.append(f"budget {p.max_bytes:,} bytes ({_human(p.max_bytes)}) on the device, for the two largest "
                          f"layers' records (offload): the last {n} of {len(p.layers)} attention layers fit "
-                         f"({held_bytes(sizes, True):,} bytes on the device, {sum(sizes):,} in host memory)")
+                         f"({p.held_on_device(sizes):,} bytes on the device, {sum(sizes):,} in host memory)")
             if n:
                 lines.append(f"    attnstash.install_attention_stash(model, num_layers={n}, max_bytes={p.max_bytes}, "
                              "offload=True)")

@@ -237,8 +237,10 @@ def test_seq_sweep(tmp_path, monkeypatch):
 
 
 def test_seq_sweep_under_the_users_offloading(tmp_path, monkeypatch):
-    # --offload: every step under save_on_cpu, whose hooks pack what each step saves; the stash
-    # rows still keep, and match plain checkpointing bitwise.
+    # --offload on a CPU: every step under save_on_cpu, whose hooks pack what each step saves,
+    # the stash's records included; the stash rows still keep and match plain checkpointing
+    # bitwise; the rows with the stash's own offload (which takes the place of the hooks for what
+    # the stash keeps) move nothing on a CPU.
     from attnstash.bench import harness
     packed = []
     real = torch.autograd.graph.save_on_cpu
@@ -254,8 +256,14 @@ def test_seq_sweep_under_the_users_offloading(tmp_path, monkeypatch):
                 "--out", str(tmp_path)])
     written = json.loads((tmp_path / "seq_sweep.json").read_text())
     point = written["points"][0]
-    assert written["offload"] is True and packed
+    assert written["offload"] == "save_on_cpu" and packed
     assert point["losses_equal"] and all(row["grads_equal"] for row in point["configs"])
+    stash_rows = {row["name"]: row for row in point["configs"] if row["stash_layers"]}
+    assert sorted(stash_rows) == ["non-reentrant + stash 1", "non-reentrant + stash 1, offload", "reentrant + stash 1",
+                                  "reentrant + stash 1, offload"]
+    for name, row in stash_rows.items():
+        assert (row["moved_bytes_after_forward"] == 0) == name.endswith(", offload"), (name, row)
+        assert row["offload_waits"] == 0
     assert point["kept_bytes_measured"] == {"reentrant": kept(B, H, 32, D), "non-reentrant": kept(B, H, 32, D)}
     assert nothing_installed()
 
