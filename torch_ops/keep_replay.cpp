@@ -347,9 +347,10 @@ PayloadPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t 
               "(attnstash.stash_clear()) or a second backward through the same forward leave nothing to replay "
               "either. Offloading (saved-tensor hooks around the checkpoint that move its inputs: save_on_cpu on "
               "a GPU, transformers' offload=True) hands the recompute a copy of the layer input: anchor on a 0-dim "
-              "token held for the checkpoint call instead. The installer does so for layers reached through their "
-              "checkpoint function (transformers models), not for layers whose checkpoint calls the module "
-              "itself: turn offloading off for those, or do not stash them.");
+              "token held for the forward instead. The installer does so for every layer that runs eagerly, not "
+              "for a layer compiled on its own inside an eager checkpoint (block.compile(), diffusers' "
+              "compile_repeated_blocks), whose graph anchors on its input: turn offloading off for those, compile "
+              "the whole model instead, or do not stash them.");
 }
 
 PayloadPtr take_owned(const SdpaCall& c, RecordOwner& owner) {

@@ -280,3 +280,29 @@ def test_hooks_that_give_back_another_dtype_are_refused_and_say_so():
     del loss, caught
     gc.collect()
     assert attnstash.stash_stats()["records"] == 0
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_block_compiled_inside_an_eager_checkpoint_under_copying_hooks_fails_at_its_recompute_and_says_why(mode):
+    # Its graph anchors on the layer input (install/compiled.py), which the hooks copy: a clear
+    # error at the recompute, never a wrong gradient.
+    model, install, forward = build("plain PyTorch", mode)
+    torch._dynamo.reset()
+    attnstash.install_attention_stash(model, **install)
+    for block in model.blocks:
+        block.compile(backend="eager")
+    context, _ = copying()
+    try:
+        with context:
+            loss = forward(model)
+        with pytest.raises(RuntimeError) as caught:
+            loss.backward()
+    finally:
+        attnstash.uninstall_attention_stash(model)
+        torch._dynamo.reset()
+    msg = str(caught.value)
+    assert "no attention output is kept for this anchor" in msg and "hands the recompute a copy of the layer input" \
+        in msg and "not for a layer compiled on its own inside an eager checkpoint" in msg
+    del loss, caught
+    gc.collect()
+    assert attnstash.stash_stats()["records"] == 0
