@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import attnstash
-from tiny_models import assert_bitwise_equal, batch, loss_and_grads, tiny_model
-
-MODES = {"reentrant": True, "non-reentrant": False}
+from offload_cases import KINDS, MODES, build
+from tiny_models import assert_bitwise_equal
 
 
 def copying():
@@ -36,33 +35,38 @@ def not_copying():
 HOOKS = {"copying hooks": copying, "save_on_cpu": not_copying}
 
 
-def offloaded_step(model, ids, hooks):
-    context, _ = HOOKS[hooks]()
-    with context:
-        return loss_and_grads(model, ids)
-
-
 @pytest.mark.parametrize("hooks", list(HOOKS))
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_a_transformers_model_under_offloading_hooks_trains_bitwise(mode, hooks):
-    ids = batch()
-    runs = []
+def test_a_model_under_offloading_hooks_trains_bitwise(mode, kind, hooks):
+    # transformers: tied by its Run's token; plain PyTorch (the checkpoint calls the module): by
+    # module_call.py's token, held by the layer input's grad_fn (reentrant) or the layer's
+    # pending list (non-reentrant).
+    runs, counted = [], []
     for use_stash in (False, True):
-        model = tiny_model("llama")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": MODES[mode]})
+        case = build(kind, mode)
         if use_stash:
-            attnstash.install_attention_stash(model)
+            attnstash.install_attention_stash(case.model, **case.install)
         try:
             before = attnstash.stash_stats()
-            runs.append([offloaded_step(model, ids, hooks) for _ in range(2)])
+            steps = []
+            for _ in range(2):
+                context, packed = HOOKS[hooks]()
+                with context:
+                    steps.append(case.step(case.model))
+                if packed is not None:
+                    counted.append(len(packed))
+            runs.append(steps)
             after = attnstash.stash_stats()
         finally:
             if use_stash:
-                attnstash.uninstall_attention_stash(model)
+                attnstash.uninstall_attention_stash(case.model)
     layers = 3
     assert after["keeps"] - before["keeps"] == after["replays"] - before["replays"] == 2 * layers
+    assert after["misses"] == before["misses"]
     for without, with_stash in zip(*runs):
         assert_bitwise_equal(without, with_stash)
+    assert all(n > 0 for n in counted)  # the hooks really packed the checkpoints' inputs
     assert attnstash.stash_stats()["records"] == 0
 
 
@@ -83,40 +87,6 @@ def test_the_copying_hooks_really_hand_the_recompute_copies(mode):
         y = torch.utils.checkpoint.checkpoint(Layer(), x * 1, use_reentrant=MODES[mode])
     y.sum().backward()
     assert len(seen) == 2 and seen[0] != seen[1] and packed
-
-
-@pytest.mark.parametrize("hooks", list(HOOKS))
-@pytest.mark.parametrize("mode", list(MODES))
-def test_a_plain_pytorch_model_whose_checkpoint_calls_the_module_trains_bitwise_under_offloading_hooks(mode, hooks):
-    # MODULE_CALL layers: no Run, so the tie is module_call.py's token, held by the layer
-    # input's grad_fn (reentrant) or the layer's pending list (non-reentrant).
-    import tiny_torch_models as plain
-    runs, counted = [], []
-    for use_stash in (False, True):
-        model = plain.gpt(checkpointing=mode)
-        if use_stash:
-            attnstash.install_attention_stash(model, layers=plain.Block)
-        try:
-            before = attnstash.stash_stats()
-            steps = []
-            for _ in range(2):
-                context, packed = HOOKS[hooks]()
-                with context:
-                    steps.append(plain.loss_and_grads(model, plain.ids()))
-                if packed is not None:
-                    counted.append(len(packed))
-            runs.append(steps)
-            after = attnstash.stash_stats()
-        finally:
-            if use_stash:
-                attnstash.uninstall_attention_stash(model)
-    layers = 3
-    assert after["keeps"] - before["keeps"] == after["replays"] - before["replays"] == 2 * layers
-    assert after["misses"] == before["misses"]
-    for without, with_stash in zip(*runs):
-        assert_bitwise_equal(without, with_stash)
-    assert all(n > 0 for n in counted)  # the hooks really packed the checkpoints' inputs
-    assert attnstash.stash_stats()["records"] == 0
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -187,29 +157,10 @@ def test_a_reentrant_checkpoint_of_a_leaf_input_under_offloading_hooks_is_refuse
 
 # ---- what the stash keeps goes through the hooks (install/offload.py, Hooks) ---------------------
 
-def plain_forward(model):
-    import tiny_torch_models as plain
-    return torch.nn.functional.cross_entropy(model(plain.ids()).flatten(0, 1), plain.ids().flatten())
-
-
-def hf_forward(model):
-    ids = batch()
-    return model(input_ids=ids, labels=ids).loss
-
-
-def build(kind, mode):
-    if kind == "transformers":
-        model = tiny_model("llama")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": MODES[mode]})
-        return model, {}, hf_forward
-    import tiny_torch_models as plain
-    return plain.gpt(checkpointing=mode), {"layers": plain.Block}, plain_forward
-
-
-@pytest.mark.parametrize("kind", ["transformers", "plain PyTorch"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_the_kept_records_go_through_the_users_hooks_and_leave_the_device_count(mode, kind):
-    model, install, forward = build(kind, mode)
+    model, install, _, forward, _ = build(kind, mode)
     attnstash.install_attention_stash(model, **install)
     try:
         plain_step = forward(model)  # without hooks: what the stash holds on the device
@@ -236,7 +187,7 @@ def test_the_kept_records_go_through_the_users_hooks_and_leave_the_device_count(
 def test_the_budget_counts_the_device_bytes_only(mode):
     # A budget of one layer's record: without hooks the stash keeps one layer (declines the rest);
     # under hooks each layer's record leaves the device after its forward, so every layer keeps.
-    model, install, forward = build("plain PyTorch", mode)
+    model, install, _, forward, _ = build("plain PyTorch", mode)
     attnstash.install_attention_stash(model, **install)
     try:
         loss = forward(model)
@@ -264,7 +215,7 @@ def test_the_budget_counts_the_device_bytes_only(mode):
 def test_hooks_that_give_back_another_dtype_are_refused_and_say_so():
     # An offloader that changes what it holds (here: float64 back for a float32 kept output)
     # cannot carry what the stash keeps: refused at the recompute, never a wrong gradient.
-    model, install, forward = build("plain PyTorch", "reentrant")
+    model, install, _, forward, _ = build("plain PyTorch", "reentrant")
     attnstash.install_attention_stash(model, **install)
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t.double() if t.dim() == 4 else t)
     try:
@@ -286,7 +237,7 @@ def test_hooks_that_give_back_another_dtype_are_refused_and_say_so():
 def test_a_block_compiled_inside_an_eager_checkpoint_under_copying_hooks_fails_at_its_recompute_and_says_why(mode):
     # Its graph anchors on the layer input (install/compiled.py), which the hooks copy: a clear
     # error at the recompute, never a wrong gradient.
-    model, install, forward = build("plain PyTorch", mode)
+    model, install, _, forward, _ = build("plain PyTorch", mode)
     torch._dynamo.reset()
     attnstash.install_attention_stash(model, **install)
     for block in model.blocks:

@@ -11,10 +11,10 @@ import torch
 
 import attnstash
 from attnstash.install import core, offload
-from tiny_models import assert_bitwise_equal, batch, loss_and_grads, tiny_model
+from offload_cases import KINDS, MODES, build
+from tiny_models import assert_bitwise_equal
 import tiny_torch_models as plain
 
-MODES = {"reentrant": True, "non-reentrant": False}
 
 
 class StandIn(offload.Own):
@@ -49,16 +49,6 @@ class StandIn(offload.Own):
         super().start(moved)
 
 
-def build(kind, mode):
-    if kind == "transformers":
-        model = tiny_model("llama")
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": MODES[mode]})
-        ids = batch()
-        return model, {}, (lambda m: loss_and_grads(m, ids)), model.model.layers
-    model = plain.gpt(checkpointing=mode)
-    return model, {"layers": plain.Block}, (lambda m: plain.loss_and_grads(m, plain.ids())), model.blocks
-
-
 def install_stand_in(model, layers, install):
     attnstash.install_attention_stash(model, offload=True, **install)
     stand_in = StandIn()
@@ -67,15 +57,12 @@ def install_stand_in(model, layers, install):
     return stand_in
 
 
-KINDS = ["transformers", "plain PyTorch"]
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_offload_on_a_cpu_moves_nothing_and_changes_nothing(mode, kind):
     runs = []
     for offloads in (False, True):
-        model, install, step, _ = build(kind, mode)
+        model, install, _, _, step = build(kind, mode)
         attnstash.install_attention_stash(model, offload=offloads, **install)
         try:
             before = attnstash.stash_stats()
@@ -92,7 +79,7 @@ def test_offload_on_a_cpu_moves_nothing_and_changes_nothing(mode, kind):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_the_mechanism_moves_each_forwards_records_and_fetches_the_next_ahead(mode, kind):
-    model, install, step, layers = build(kind, mode)
+    model, install, layers, _, step = build(kind, mode)
     without = step(model)
     attnstash.install_attention_stash(model, **install)
     try:
@@ -102,7 +89,8 @@ def test_the_mechanism_moves_each_forwards_records_and_fetches_the_next_ahead(mo
         attnstash.uninstall_attention_stash(model)
     stand_in = install_stand_in(model, layers, install)
     for i, layer in enumerate(layers):  # (a module inside each layer: its call is a plain module call)
-        (layer.self_attn if kind == "transformers" else layer.qkv).register_forward_pre_hook(lambda m, a, i=i: stand_in.log.append(("recompute", i))
+        inner = layer.self_attn if kind == "transformers" else layer.qkv
+        inner.register_forward_pre_hook(lambda m, a, i=i: stand_in.log.append(("recompute", i))
                                         if core.in_backward() else None)
     attnstash.stash_reset_peak()
     try:
@@ -134,12 +122,10 @@ def test_the_mechanism_moves_each_forwards_records_and_fetches_the_next_ahead(mo
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_dropped_forward_drops_its_host_copies_and_its_records(mode, kind):
-    model, install, step, layers = build(kind, mode)
+    model, install, layers, forward, step = build(kind, mode)
     stand_in = install_stand_in(model, layers, install)
     try:
-        forward = (lambda: model(input_ids=batch(), labels=batch()).loss) if kind == "transformers" else \
-            (lambda: torch.nn.functional.cross_entropy(model(plain.ids()).flatten(0, 1), plain.ids().flatten()))
-        loss = forward()
+        loss = forward(model)
         stats = attnstash.stash_stats()
         assert stats["records"] == 3 and stats["bytes"] == 0 and stats["moved_bytes"] > 0
         copies = [m for m in stand_in._forwards]

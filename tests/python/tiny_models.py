@@ -67,6 +67,20 @@ def assert_bitwise_equal(a, b):
     assert not different, f"gradients differ: {different}"
 
 
+def assert_within_run_spread(normal, got):
+    """For a backward that is not deterministic (cuDNN accumulates dQ in any order): `got`'s
+    loss bitwise the first normal run's, and each gradient bitwise where the normal runs are,
+    else no further from its nearest normal run than they are from each other. `normal`: (loss,
+    [grad]) of several runs without the stash; `got`: one with it."""
+    loss, grads = got
+    assert torch.equal(loss, normal[0][0])
+    for i, g in enumerate(grads):
+        runs = [n[1][i] for n in normal]
+        spread = max((a - b).abs().max().item() for j, a in enumerate(runs) for b in runs[j + 1:])
+        nearest = min((g - r).abs().max().item() for r in runs)
+        assert nearest <= spread, (i, nearest, spread)
+
+
 def nothing_installed():
     """No stash is installed anywhere: F.scaled_dot_product_attention is torch's own and
     transformers' layer class carries no stand-in for the checkpoint function."""
