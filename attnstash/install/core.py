@@ -189,7 +189,7 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token
             "non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
     return Frame(stash, anchor if token is None else token, reachable, first=True,
                  rng=Rng.first(anchor.device, preserves) if reachable and preserves is not True else None,
-                 mover=offload.mover_for(stash, grad) if reachable and token is not None else None)
+                 mover=offload.mover_for(stash, anchor, grad) if reachable and token is not None else None)
 
 
 def close_frame(frame):
@@ -270,11 +270,11 @@ def _eager_forward(layer, forward, args, kwargs):
     if not layer.training and not backward:
         return forward(*args, **kwargs)
     anchor = anchor_of(stash, args, kwargs)
-    token = module_call.token(stash, anchor, backward, saved_tensor_hooks_active)
-    frame = open_frame(stash, anchor, token=token)
+    entry = module_call.pending_for(stash, anchor, backward, saved_tensor_hooks_active)
+    frame = open_frame(stash, anchor, token=entry and entry.token)
     out = run_in_frame(frame, forward, args, kwargs)
     if frame.moved is not None:
-        module_call.hold(stash, token, frame.moved)
+        entry.moved = frame.moved  # (a first forward: its entry holds what offload.py moved)
     return out
 
 

@@ -61,17 +61,18 @@ def _handed(entry, layer_input):
         original.shape == layer_input.shape
 
 
-def token(stash, layer_input, backward, hooks_active):
-    """What a MODULE_CALL layer's forward anchors on in place of its input, or None (the input)."""
+def pending_for(stash, layer_input, backward, hooks_active):
+    """The Pending entry whose token a MODULE_CALL layer's forward anchors on in place of its
+    input, or None (the input)."""
     grad = torch.is_grad_enabled()
     if backward:
-        return recompute_token(stash, layer_input) if grad else None
-    return first_forward_token(stash, layer_input, grad) if stash.offload is not None or hooks_active() else None
+        return _for_recompute(stash, layer_input) if grad else None
+    return _for_first_forward(stash, layer_input, grad) if stash.offload is not None or hooks_active() else None
 
 
-def first_forward_token(stash, layer_input, grad):
-    """A token for a first forward under saved-tensor hooks (or with the layer's own offload),
-    or None where none can be held for as long as its recompute may come (a reentrant
+def _for_first_forward(stash, layer_input, grad):
+    """A new entry for a first forward under saved-tensor hooks (or with the layer's own
+    offload), or None where none can be held for as long as its recompute may come (a reentrant
     checkpoint of a leaf input: open_frame refuses it under hooks)."""
     holder = layer_input.grad_fn
     if holder is None and not grad:
@@ -83,21 +84,13 @@ def first_forward_token(stash, layer_input, grad):
         stash.pending.append(weakref.ref(entry))
     else:  # a non-reentrant checkpoint: its own node owns the record, which _live follows
         stash.pending.append(entry)
-    return entry.token
+    return entry
 
 
-def hold(stash, token, moved):
-    """The first forward of `token` moved records off the device (offload.py): its entry holds them."""
-    for entry in map(_entry, stash.pending):
-        if entry is not None and entry.token is token:
-            entry.moved = moved
-            return
-
-
-def recompute_token(stash, layer_input):
-    """The token of the first forward this recompute repeats, with its moved records fetched
-    back, or None if no first forward is pending (the ops then look for the layer input itself,
-    and say what they miss)."""
+def _for_recompute(stash, layer_input):
+    """The entry of the first forward this recompute repeats, its moved records fetched back, or
+    None if no first forward is pending (the ops then look for the layer input itself, and say
+    what they miss)."""
     if not stash.pending:
         return None
     live = _live(stash)
@@ -115,4 +108,4 @@ def recompute_token(stash, layer_input):
         return None
     if entry.moved is not None:
         entry.moved.fetch()
-    return entry.token
+    return entry

@@ -24,12 +24,13 @@ from ..errors import ReplayError
 _lock = threading.Lock()
 
 
-def mover_for(stash, grad):
-    """The mover of a first forward that keeps: the layer's own offload where installed, else the
-    user's saved-tensor hooks around its checkpoint, else None. A non-reentrant checkpoint (grad
-    on) pushes its own hooks over the user's: those are the pair below the top."""
+def mover_for(stash, layer_input, grad):
+    """The mover of a first forward that keeps: the layer's own offload where installed (None
+    where it takes nothing: a layer input in host memory), else the user's saved-tensor hooks
+    around its checkpoint, else None. A non-reentrant checkpoint (grad on) pushes its own hooks
+    over the user's: those are the pair below the top."""
     if stash.offload is not None:
-        return stash.offload
+        return stash.offload if stash.offload.takes(layer_input) else None
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is None or not grad:
         return None if top is None else Hooks(*top)
@@ -47,9 +48,7 @@ def move_out(mover, records):
     moved = []
     for record in records:
         tensors = ops.move_out(record)
-        if tensors and not mover.takes(tensors[0]):
-            ops.move_in(record, *tensors)
-        elif tensors:
+        if tensors:
             moved.append((record, [mover.pack(t) for t in tensors]))
     return Moved(mover, moved) if moved else None
 
@@ -84,9 +83,6 @@ class Hooks:
 
     def __init__(self, pack, unpack):
         self.pack, self.unpack = pack, unpack
-
-    def takes(self, tensor):
-        return True
 
     def moved(self, moved):
         pass
