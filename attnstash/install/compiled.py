@@ -34,7 +34,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .. import backends
 from ..errors import CheckpointingError
-from .layers import ATTR, CHECKPOINT_FUNCTION
+from . import state
+from .found import ATTR, CHECKPOINT_FUNCTION
 
 KEPT_OPS = frozenset(row.forward_op for row in backends.KEPT_BACKENDS if row.forward_op is not None)
 _saved = [0]  # attention forwards the compiled graphs traced so far save (a count of traced calls)
@@ -97,12 +98,12 @@ def layer_forward(layer, previous, args, kwargs):
     if not torch.is_grad_enabled():
         # A reentrant checkpoint's first forward (its input requires grad; dynamo guards on
         # that), or a forward under no_grad: plain.
-        anchor = _anchor_of(stash, args, kwargs)
+        anchor = state.anchor_of(stash, args, kwargs)
         if anchor.requires_grad:
             return _eager_checkpoint_forward(layer, forward, args, kwargs, anchor)
         return forward(*args, **kwargs)
     if _inside_eager_checkpoint():  # the layer compiled, its checkpoint not
-        return _eager_checkpoint_forward(layer, forward, args, kwargs, _anchor_of(stash, args, kwargs))
+        return _eager_checkpoint_forward(layer, forward, args, kwargs, state.anchor_of(stash, args, kwargs))
     if stash.reach is not CHECKPOINT_FUNCTION:
         return _selective(forward)(*args, **kwargs)
     if not getattr(layer, "gradient_checkpointing", False):
@@ -140,13 +141,7 @@ def _inside_eager_checkpoint():
     diffusers' compile_repeated_blocks): a recompute, or the first forward of a non-reentrant
     checkpoint (its saved-tensor hooks). Evaluated once, as dynamo traces, from the eager state
     it traces in."""
-    from .core import in_backward, saved_tensor_hooks_active  # (core imports this module)
-    return in_backward() or saved_tensor_hooks_active()
-
-
-def _anchor_of(stash, args, kwargs):
-    from .core import anchor_of  # (core imports this module)
-    return anchor_of(stash, args, kwargs)
+    return state.in_backward() or state.saved_tensor_hooks_active()
 
 
 _traced = []  # [anchor, slot base, calls so far] of each layer traced by _eager_checkpoint_forward, innermost last
@@ -174,9 +169,8 @@ def attend(sdpa, args, kwargs):
     inside _eager_checkpoint_forward, else torch's own (`sdpa`)."""
     if not _traced:
         return sdpa(*args, **kwargs)
-    from .core import _sdpa_arguments  # (core imports this module)
     frame = _traced[-1]
-    q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
+    q, k, v, mask, dropout_p, is_causal, scale, gqa = state.sdpa_arguments(*args, **kwargs)
     slot = frame[1] + frame[2]
     frame[2] += 1
     return torch.ops.attnstash._sdpa_compiled(q, k, v, frame[0], slot, mask, dropout_p, is_causal, scale, gqa)
@@ -186,9 +180,8 @@ def attend(sdpa, args, kwargs):
 def _class_slots(layer_class):
     """The slot base the layers of one class use when compiled inside an eager checkpoint (one per
     class name, so that they share their compiled code; the anchor tells their records apart)."""
-    from .core import SLOT_BITS, _bases  # (core imports this module)
     if layer_class not in _slots:
-        _slots[layer_class] = next(_bases) << SLOT_BITS
+        _slots[layer_class] = state.new_slot_base()
     return _slots[layer_class]
 
 

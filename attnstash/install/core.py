@@ -32,28 +32,17 @@ a layer may call attention any number of times. random_state.py checks that a re
 the random numbers its first forward drew before each call.
 """
 import functools
-import itertools
 import sys
-import threading
 import types
-import weakref
 
 import torch
 import torch.nn.functional as F
 
 from .. import ops
-from . import compiled, dropout, module_call, offload
+from . import compiled, dropout, module_call, offload, state
 from ..errors import CheckpointingError, KeepError, ReplayError, StashError
-from .layers import ATTR, CHECKPOINT_FUNCTION
+from .found import ATTR, CHECKPOINT_FUNCTION
 from .random_state import Rng, preserves_rng
-
-SLOT_BITS = 16       # a layer's slots: base + call index, for up to 2**16 calls per forward
-
-_lock = threading.RLock()  # installs, uninstalls, and the patch of F.scaled_dot_product_attention
-_live = weakref.WeakSet()   # every LayerStash in use (deep copies of models included)
-_bases = itertools.count(1)
-_tls = threading.local()    # .frames: the frames this thread runs, innermost last; .reached: see Run
-
 
 class LayerStash:
     """One stashed layer: its index and name (for messages), how its checkpointed forward is
@@ -67,11 +56,11 @@ class LayerStash:
         self.pending = []  # MODULE_CALL first forwards awaiting their recompute under a token (module_call.py)
         self.offload = offload  # the install's offload.Own, or None
         self.forward = forward  # the layer class's forward function (what torch.compile traces: compiled.py)
-        self.slot_base = next(_bases) << SLOT_BITS
-        _live.add(self)
+        self.slot_base = state.new_slot_base()
+        state.live.add(self)
 
     def slots(self):
-        return range(self.slot_base, self.slot_base + (1 << SLOT_BITS))
+        return range(self.slot_base, self.slot_base + (1 << state.SLOT_BITS))
 
     def __deepcopy__(self, memo):
         # A deep copy of a stashed model has an install of its own, with slots of its own.
@@ -83,32 +72,7 @@ def stash_of(layer):
     return layer.__dict__.get(ATTR)
 
 
-def in_backward():
-    return torch._C._current_graph_task_id() != -1
-
-
-def saved_tensor_hooks_active():
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-
-
-def _frames():
-    return _tls.__dict__.setdefault("frames", [])  # (a threading.local's __dict__ is this thread's)
-
-
-def _reached():
-    return _tls.__dict__.setdefault("reached", {})
-
-
-def _active(stash):
-    return any(frame.stash is stash for frame in getattr(_tls, "frames", ()))
-
-
 # ---- frames ------------------------------------------------------------------------------------
-
-def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
-                    enable_gqa=False):
-    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-
 
 class Frame:
     """One forward of a stashed layer on this thread: a first forward (which may keep) or a
@@ -125,7 +89,7 @@ class Frame:
 
     def attend(self, *args, **kwargs):
         try:
-            q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
+            q, k, v, mask, dropout_p, is_causal, scale, gqa = state.sdpa_arguments(*args, **kwargs)
         except TypeError as e:
             raise TypeError(f"attnstash: {self.stash.name}: {e} (attnstash routes F.scaled_dot_product_attention "
                             f"as torch {torch.__version__} defines it)") from None
@@ -166,11 +130,11 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token
     state for the recompute (preserves_rng). None: cannot be seen. `token`: what the ops anchor
     on in place of the layer input `anchor`, where a Run holds one (Run.token)."""
     grad = torch.is_grad_enabled()
-    if in_backward():  # a recompute: it routes what its first forward routed
+    if state.in_backward():  # a recompute: it routes what its first forward routed
         keep = grad and limit != 0
         return Frame(stash, anchor if token is None else token, keep, first=False, limit=limit,
                      rng=Rng.recompute() if keep else None)
-    hooks = saved_tensor_hooks_active()
+    hooks = state.saved_tensor_hooks_active()
     if grad and not hooks:
         raise CheckpointingError(
             f"attnstash: {stash.name} is stashed, but its training forward runs outside any activation checkpoint "
@@ -203,7 +167,7 @@ def close_frame(frame):
 
 
 def run_in_frame(frame, fn, args, kwargs):
-    frames = _frames()
+    frames = state.frames()
     frames.append(frame)
     try:
         out = fn(*args, **kwargs)
@@ -217,14 +181,6 @@ def run_in_frame(frame, fn, args, kwargs):
     if frame.moving:
         frame.moved = offload.move_out(frame.mover, frame.moving)
     return out
-
-
-def anchor_of(stash, args, kwargs, more_kwargs=None):
-    for value in itertools.chain(args, kwargs.values(), (more_kwargs or {}).values()):
-        if isinstance(value, torch.Tensor):
-            return value
-    raise CheckpointingError(f"attnstash: {stash.name} was called without a tensor argument; the stash anchors on "
-                             "the layer's input (its first tensor argument).")
 
 
 def release(records):
@@ -257,20 +213,20 @@ def stashed_forward(layer, *args, **kwargs):
 @torch.compiler.disable
 def _eager_forward(layer, forward, args, kwargs):
     stash = layer.__dict__.get(ATTR)
-    if stash is None or _active(stash):  # not stashed, or inside its Run (which has the frame)
+    if stash is None or state.active(stash):  # not stashed, or inside its Run (which has the frame)
         return forward(*args, **kwargs)
     if stash.reach is CHECKPOINT_FUNCTION and layer.training:
         if getattr(layer, "gradient_checkpointing", False):
             return _reached_by_checkpoint_function(stash, layer, forward, args, kwargs)
-        if torch.is_grad_enabled() and not in_backward() and not saved_tensor_hooks_active():
+        if torch.is_grad_enabled() and not state.in_backward() and not state.saved_tensor_hooks_active():
             raise compiled.checkpointing_off(stash)
     # Eval and generation: untouched; a recompute follows its first forward, whatever the
     # training flag says by then.
-    backward = in_backward()
+    backward = state.in_backward()
     if not layer.training and not backward:
         return forward(*args, **kwargs)
-    anchor = anchor_of(stash, args, kwargs)
-    entry = module_call.pending_for(stash, anchor, backward, saved_tensor_hooks_active)
+    anchor = state.anchor_of(stash, args, kwargs)
+    entry = module_call.pending_for(stash, anchor, backward, state.saved_tensor_hooks_active)
     frame = open_frame(stash, anchor, token=entry and entry.token)
     out = run_in_frame(frame, forward, args, kwargs)
     if frame.moved is not None:
@@ -283,11 +239,11 @@ def _reached_by_checkpoint_function(stash, layer, forward, args, kwargs):
     function (no Run of it is active): its frames come from its Run, which a training forward
     must reach. A reentrant first forward runs without grad, where this cannot be told from a
     no-grad forward; its recompute, which runs in backward with grad and without a Run, can."""
-    if in_backward() and torch.is_grad_enabled():
+    if state.in_backward() and torch.is_grad_enabled():
         raise _unreached(stash, layer, "its recompute ran")
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    reached = _reached()
+    reached = state.reached()
     before = reached.get(stash.slot_base, 0)
     out = forward(*args, **kwargs)
     if reached.get(stash.slot_base, 0) == before:
@@ -357,13 +313,13 @@ class Run(functools.partial):
 
     def __call__(self, *args, **kwargs):
         stash = self.stash
-        anchor = anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None))
-        if in_backward():
+        anchor = state.anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None))
+        if state.in_backward():
             if self.moved is not None:
                 self.moved.fetch()
             return run_in_frame(open_frame(stash, anchor, limit=self.routed if self.routed is not None else 0,
                                            token=self.token), self.fn, args, kwargs)
-        reached = _reached()
+        reached = state.reached()
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
         frame = open_frame(stash, anchor, self.outer_grad, preserves=self.preserves, token=self.token)
         out = run_in_frame(frame, self.fn, args, kwargs)
@@ -411,7 +367,7 @@ class _Owner:
 # ---- install and uninstall -------------------------------------------------------------------------
 
 def attach(layer, index, name, reach, own=None):
-    """Stash one layer (the caller holds _lock and has patched the router); `own`: its install's
+    """Stash one layer (the caller holds state.lock and has patched the router); `own`: its install's
     offload.Own, if any."""
     stash = LayerStash(index, name, reach, type(layer).forward, type(layer).__name__, own)
     previous = layer.__dict__.get("forward")
@@ -432,7 +388,7 @@ def detach(layer):
         else:
             layer.__dict__["forward"] = previous
     if stash is not None:
-        _live.discard(stash)
+        state.live.discard(stash)
 
 
 def held_by_layer(stash, held):

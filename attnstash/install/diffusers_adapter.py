@@ -18,7 +18,7 @@ import textwrap
 import torch
 
 from . import torch_adapter
-from .layers import Found, MODULE_CALL, source_calls, source_of
+from .found import Found, MODULE_CALL, source_calls, source_of
 
 CALL = "_gradient_checkpointing_func"
 _ANY = "*"  # a path step: every item of the collection

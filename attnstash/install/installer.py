@@ -2,7 +2,7 @@
 rules (see the package's docstring)."""
 from .. import budget, ops
 from ..errors import InstallError
-from . import core, offload as offloading, routing, transformers_adapter
+from . import core, offload as offloading, routing, state, transformers_adapter
 from .layers import CHECKPOINT_FUNCTION, find_layers, layer_count
 
 
@@ -59,7 +59,7 @@ def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=No
         if core.stash_of(f.module) is not None:
             raise InstallError(f"attnstash: layer {index} ({f.name}) of {type(model).__name__} already has the "
                                "stash; call uninstall_attention_stash(model) before installing again.")
-    with core._lock:
+    with state.lock:
         done = []
         try:
             routing.patch()
@@ -101,7 +101,7 @@ def uninstall_attention_stash(model):
     and once no model has the stash F.scaled_dot_product_attention is torch's own again. What the
     model's forwards still hold is released with their graphs. Raises InstallError if the model
     has no stash."""
-    with core._lock:
+    with state.lock:
         stashed = _stashed(model)
         if not stashed:
             raise InstallError(f"attnstash: {type(model).__name__} has no attention stash installed.")

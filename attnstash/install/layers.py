@@ -1,57 +1,15 @@
 """Which layers of a model the installer considers, asked of one adapter per kind of model
 (transformers_adapter.py, diffusers_adapter.py, torch_adapter.py). Nothing here needs the
 compiled ops: the planner reads it too."""
-import functools
-import inspect
 import operator
-import re
-import sys
 from typing import NamedTuple
 
 import torch
 
 from ..errors import InstallError
+from . import diffusers_adapter, torch_adapter, transformers_adapter
+from .found import ATTR, CHECKPOINT_FUNCTION, MODULE_CALL, Found  # noqa: F401 (the names the installer's users read here)
 
-CHECKPOINT_FUNCTION, MODULE_CALL = "checkpoint function", "module call"  # how a layer is reached: core.py
-ATTR = "_attnstash"  # a stashed layer's core.LayerStash, in its __dict__
-
-
-class Found(NamedTuple):
-    """A layer an adapter found: the module, its name in the model, whether it is one to stash
-    (it has attention, and is checkpointed where that can be seen), and how it is reached."""
-    module: torch.nn.Module
-    name: str
-    stashable: bool
-    reach: str
-
-
-def source_calls(klass, words):
-    """Whether a class calls one of `words` (names of attention functions) as the adapters read
-    it: its source names one, or names a function of its own module whose source does, directly
-    or as a value of a module-level dict (the table ModernBERT's attention picks its function
-    from)."""
-    source = source_of(klass)
-    if any(w in source for w in words):
-        return True
-    module = sys.modules.get(klass.__module__)
-    for name in set(re.findall(r"[A-Za-z_]\w*", source)):
-        value = getattr(module, name, None)
-        for f in (value.values() if isinstance(value, dict) else (value,)):
-            if inspect.isfunction(f) and f.__module__ == klass.__module__ and any(w in source_of(f) for w in words):
-                return True
-    return False
-
-
-@functools.lru_cache(maxsize=None)
-def source_of(obj):
-    """An object's source ("" where there is none: a builtin, a class made at run time)."""
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        return ""
-
-
-from . import diffusers_adapter, torch_adapter, transformers_adapter  # noqa: E402 (they use Found)
 
 ADAPTERS = (transformers_adapter, diffusers_adapter, torch_adapter)  # asked in this order (layers=None)
 
@@ -68,6 +26,12 @@ def layer_count(num_layers):
     except TypeError:
         raise InstallError(f"attnstash: num_layers must be an int or None, got {type(num_layers).__name__} "
                            f"{num_layers!r}.") from None
+
+
+def class_has_attention(cls):
+    """Whether a module class calls attention, as one of the adapters reads it (the planner's
+    question of the modules its shape-only forward runs)."""
+    return transformers_adapter.class_has_attention(cls) or torch_adapter.class_calls_sdpa(cls)
 
 
 def find_layers(model, layers=None):

@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from . import compiled, core
+from . import compiled, state
 
 _SDPA = F.scaled_dot_product_attention  # torch's own
 _rebound = []  # [(module dict, name)] bound to `route` in place of _SDPA
@@ -20,10 +20,10 @@ def route(*args, **kwargs):
     slot; while torch.compile traces, what compiled.attend says; anywhere else torch's own function."""
     if torch.compiler.is_compiling():
         return compiled.attend(_SDPA, args, kwargs)
-    frames = getattr(core._tls, "frames", None)
-    if not frames or not frames[-1].keep:
+    frame = state.innermost_frame()
+    if frame is None or not frame.keep:
         return _SDPA(*args, **kwargs)
-    return frames[-1].attend(*args, **kwargs)
+    return frame.attend(*args, **kwargs)
 
 
 def patch():
@@ -44,9 +44,9 @@ def patch():
 def unpatch_if_unused():
     """Once no stash is in use (models dropped without an uninstall are collected first), every
     name `patch` bound is torch's own function again. Returns whether it is."""
-    if core._live:
+    if state.live:
         gc.collect()
-    if core._live:
+    if state.live:
         return False
     while _rebound:
         names, name = _rebound.pop()

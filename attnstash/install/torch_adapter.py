@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ..errors import InstallError
-from .layers import Found, MODULE_CALL, source_calls
+from .found import Found, MODULE_CALL, source_calls
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ..errors import InstallError, UnsupportedVersionError
-from .layers import CHECKPOINT_FUNCTION, Found, source_calls
+from .found import CHECKPOINT_FUNCTION, Found, source_calls
 
 SUPPORTED = ((4, 57), (5, 24))
 """The transformers releases attnstash was checked on, oldest and newest (major, minor):

@@ -13,7 +13,8 @@ from torch.overrides import TorchFunctionMode
 from ..errors import PlanError
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
-from ..install import torch_adapter, transformers_adapter
+from ..install.layers import class_has_attention
+from ..install.state import sdpa_arguments
 
 _aten = torch.ops.aten
 
@@ -153,11 +154,6 @@ class Call:
     enable_gqa: bool
 
 
-def _sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
-                    enable_gqa=False):
-    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-
-
 class _RecordSdpa(TorchFunctionMode):
     """Records every F.sdpa call of the planned forward, with the modules it ran in, and
     returns a shape-only output in its place."""
@@ -170,9 +166,9 @@ class _RecordSdpa(TorchFunctionMode):
         kwargs = kwargs or {}
         if not is_sdpa(func):
             return func(*args, **kwargs)
-        q, k, v, mask, dropout_p, is_causal, scale, gqa = _sdpa_arguments(*args, **kwargs)
+        q, k, v, mask, dropout_p, is_causal, scale, gqa = sdpa_arguments(*args, **kwargs)
         layer = next((m for m in reversed(self.stack) if id(m) in self.layers), None)
-        module = next((m for m in reversed(self.stack) if _calls_attention(type(m))), layer)
+        module = next((m for m in reversed(self.stack) if class_has_attention(type(m))), layer)
         self.calls.append(Call(layer, module, meta_copy(q), meta_copy(k), meta_copy(v), meta_copy(mask),
                                 float(dropout_p), bool(is_causal), scale, bool(gqa)))
         with _disable_current_modes():
@@ -188,10 +184,6 @@ def is_sdpa(func):
     functional.py binds that builtin from torch._C._nn, which routing.patch leaves alone: read it
     there, at each call (a name bound here at import would be rebound)."""
     return func is torch._C._nn.scaled_dot_product_attention
-
-
-def _calls_attention(cls):
-    return transformers_adapter.class_has_attention(cls) or torch_adapter.class_calls_sdpa(cls)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attnstash
-from attnstash.install import core
+from attnstash.install import core, state
 from tiny_models import assert_bitwise_equal, batch, clone, loss_and_grads, tiny_model
 
 MODES = {"reentrant": True, "non-reentrant": False}
@@ -32,7 +32,7 @@ def counts():
 def assert_nothing_held():
     s = attnstash.stash_stats()
     assert s["records"] == 0 and s["bytes"] == 0, s
-    assert not getattr(core._tls, "frames", None), "a forward left its frame on this thread"
+    assert state.innermost_frame() is None, "a forward left its frame on this thread"
 
 
 
@@ -140,7 +140,7 @@ def test_a_dropped_forward_frees_every_layer_input(mode, installed):
     installed(model)
     inputs = []
     hooks = [layer.register_forward_pre_hook(lambda m, a: inputs.append(weakref.ref(a[0])) if not
-                                             core.in_backward() else None)
+                                             state.in_backward() else None)
              for layer in model.model.layers]
     try:
         ids = batch()

@@ -1,0 +1,66 @@
+"""What the installer holds for the whole process and for each thread, and what it reads of
+torch's autograd state: stated here once, below core.py, compiled.py and routing.py, which all
+read it (none reaches into another's privates for it)."""
+import itertools
+import threading
+import weakref
+
+import torch
+
+from ..errors import CheckpointingError
+
+SLOT_BITS = 16  # a layer's slots: base + call index, for up to 2**16 calls per forward
+
+lock = threading.RLock()  # installs, uninstalls, and the patch of F.scaled_dot_product_attention
+live = weakref.WeakSet()  # every core.LayerStash in use (deep copies of models included)
+_bases = itertools.count(1)
+_tls = threading.local()  # .frames: the frames this thread runs, innermost last; .reached: see core.Run
+
+
+def new_slot_base():
+    """The first slot of a new range of 2**SLOT_BITS (a stashed layer's, or a compiled class's)."""
+    return next(_bases) << SLOT_BITS
+
+
+def frames():
+    """This thread's frames (core.Frame), innermost last."""
+    return _tls.__dict__.setdefault("frames", [])  # (a threading.local's __dict__ is this thread's)
+
+
+def innermost_frame():
+    """This thread's innermost frame, or None outside every stashed layer's forward."""
+    stack = getattr(_tls, "frames", None)
+    return stack[-1] if stack else None
+
+
+def reached():
+    """This thread's {stash: checkpoint call} of the Runs it is inside (core.Run)."""
+    return _tls.__dict__.setdefault("reached", {})
+
+
+def active(stash):
+    """Whether this thread runs a frame of `stash`."""
+    return any(frame.stash is stash for frame in getattr(_tls, "frames", ()))
+
+
+def in_backward():
+    return torch._C._current_graph_task_id() != -1
+
+
+def saved_tensor_hooks_active():
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+def sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                   enable_gqa=False):
+    """F.scaled_dot_product_attention's arguments, positional or keyword, as one tuple."""
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+def anchor_of(stash, args, kwargs, more_kwargs=None):
+    """A MODULE_CALL layer's anchor: its forward's first tensor argument (positional first)."""
+    for value in itertools.chain(args, kwargs.values(), (more_kwargs or {}).values()):
+        if isinstance(value, torch.Tensor):
+            return value
+    raise CheckpointingError(f"attnstash: {stash.name} was called without a tensor argument; the stash anchors on "
+                             "the layer's input (its first tensor argument).")
