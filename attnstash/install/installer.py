@@ -6,7 +6,8 @@ from . import core, offload as offloading, routing, state, transformers_adapter
 from .layers import CHECKPOINT_FUNCTION, find_layers, layer_count
 
 
-def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=None, offload=False):
+def install_attention_stash(model, num_layers=None, *, layers=None, filter_fn=None, max_bytes=None,
+                            offload=False):
     """Stash the attention of a model's last `num_layers` attention layers.
 
     Args:
@@ -19,6 +20,9 @@ def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=No
             None: all. An int between 1 and the number of attention layers.
         layers: None to find the layers (README.md, "Turn it on"), or the checkpointed layers
             themselves: a module class (its instances) or an iterable of the model's modules.
+        filter_fn: in place of layers=, a callable (module, fqn) -> bool: the modules of
+            model.named_modules() it returns True for are the checkpointed layers (torchao's
+            convention; fqn is the module's name in the model, "" for the model itself).
         max_bytes: a budget for as long as this install lasts (an int or a string such as
             "8GiB", attnstash.parse_bytes); its uninstall gives back the budget it replaced.
             None leaves the budget as it is. What a budget does: csrc/stash_registry.h, Budget.
@@ -39,7 +43,7 @@ def install_attention_stash(model, num_layers=None, *, layers=None, max_bytes=No
         raise InstallError(f"attnstash: offload must be True or False, got {offload!r}.")
     count_wanted = layer_count(num_layers)
     limit = budget.parse_bytes(max_bytes)
-    found = find_layers(model, layers)
+    found = find_layers(model, layers, filter_fn)
     candidates = [(i, f) for i, f in enumerate(found) if f.stashable]
     if not candidates:
         raise InstallError(f"attnstash: none of the {len(found)} layers found in {type(model).__name__} is one to "

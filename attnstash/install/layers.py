@@ -34,9 +34,13 @@ def class_has_attention(cls):
     return transformers_adapter.class_has_attention(cls) or torch_adapter.class_calls_sdpa(cls)
 
 
-def find_layers(model, layers=None):
-    """[core.Found] for every layer of the model the installer would consider, in the order of
-    model.modules(); their indices are the ones install_attention_stash returns."""
+def find_layers(model, layers=None, filter_fn=None):
+    """[found.Found] for every layer of the model the installer would consider, in the order of
+    model.modules(); their indices are the ones install_attention_stash returns. `layers` or
+    `filter_fn(module, fqn) -> bool` (the modules of model.named_modules() it accepts) name the
+    checkpointed layers; with neither, the adapters find them."""
+    if filter_fn is not None:
+        layers = _filtered(model, layers, filter_fn)
     if layers is not None:
         return torch_adapter.named(model, layers, transformers_adapter.reach)
     for adapter in ADAPTERS:
@@ -47,6 +51,21 @@ def find_layers(model, layers=None):
         f"attnstash: found no layers to stash in {type(model).__name__}: looked for "
         + "; for ".join(adapter.describe(model) for adapter in ADAPTERS)
         + ". Name them with layers= (a module class, or the modules its checkpoint calls).")
+
+
+def _filtered(model, layers, filter_fn):
+    """The modules filter_fn(module, fqn) accepts, as layers= would name them."""
+    if layers is not None:
+        raise InstallError("attnstash: give layers= or filter_fn=, not both: each names the checkpointed layers.")
+    if not callable(filter_fn):
+        raise InstallError(f"attnstash: filter_fn must be a callable (module, fqn) -> bool, got "
+                           f"{type(filter_fn).__name__} {filter_fn!r:.60}.")
+    chosen = [m for fqn, m in model.named_modules() if filter_fn(m, fqn)]
+    if not chosen:
+        raise InstallError(f"attnstash: filter_fn accepted none of the modules of {type(model).__name__} "
+                           "(it is called as filter_fn(module, fqn) for each of model.named_modules(), the model "
+                           "itself with fqn \"\"): it must return True for the checkpointed layers.")
+    return chosen
 
 
 class AttentionLayer(NamedTuple):
@@ -74,10 +93,10 @@ class AttentionLayers(list):
     __str__ = __repr__
 
 
-def attention_layers(model, layers=None):
+def attention_layers(model, layers=None, filter_fn=None):
     """[AttentionLayer(index, name, module)] of the layers install_attention_stash(model,
-    layers=layers) counts: those with attention (and, where it can be seen, checkpointed).
+    layers=layers, filter_fn=filter_fn) counts: those with attention (and, where it can be seen, checkpointed).
     Printed, one line per layer: index, name, class, and for a stashed layer the attention
     calls of its last training forward."""
-    return AttentionLayers(AttentionLayer(i, f.name, f.module) for i, f in enumerate(find_layers(model, layers))
+    return AttentionLayers(AttentionLayer(i, f.name, f.module) for i, f in enumerate(find_layers(model, layers, filter_fn))
                            if f.stashable)

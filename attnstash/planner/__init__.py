@@ -55,7 +55,7 @@ __all__ = ["plan", "StashPlan", "LayerPlan", "CallPlan"]
 
 def plan(source, *example_inputs, example_kwargs=None, batch_size=None, seq_len=None, latent_frames=None,
          latent_height=None, latent_width=None, text_len=None, dtype=None, device=None, max_bytes=None, padded=False,
-         backend=None, cuda_capability=(9, 0), layers=None, offload=False) -> StashPlan:
+         backend=None, cuda_capability=(9, 0), layers=None, filter_fn=None, offload=False) -> StashPlan:
     """What the attention stash keeps per attention layer for one micro-batch.
 
     Args:
@@ -78,7 +78,7 @@ def plan(source, *example_inputs, example_kwargs=None, batch_size=None, seq_len=
         backend: force a backend ("cudnn", "flash", "efficient" or an SDPBackend), as
             sdpa_kernel([backend]) would; calls it cannot run are reported refused.
         cuda_capability: the compute capability planned for on CUDA without a CUDA device here.
-        layers: as install_attention_stash's (None: found by themselves).
+        layers, filter_fn: as install_attention_stash's (neither: found by themselves).
         offload: plan with the records moved to host memory after the first forward and fetched
             back one layer ahead of the recompute: the result's device_bytes (the two largest
             layers' records) and host_bytes (all of them); max_bytes counts the device's.
@@ -101,7 +101,7 @@ def plan(source, *example_inputs, example_kwargs=None, batch_size=None, seq_len=
                       latent_height, latent_width, text_len, dtype, padded)
     device = _device(device, source)
     try:
-        found = find_layers(planned.model, layers)
+        found = find_layers(planned.model, layers, filter_fn)
     except InstallError as e:
         raise InstallError(f"attnstash.plan: {str(e).removeprefix('attnstash: ')}") from None
     stashable = [(i, f) for i, f in enumerate(found) if f.stashable]

@@ -215,3 +215,30 @@ def test_selective_checkpointing_with_the_stash_trains_bitwise(save, installed, 
     assert_bitwise_equal(loss_and_grads(model, tokens), reference)
     assert counters() == (keeps + 3, replays + 3)
     assert attnstash.stash_stats()["records"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layers_chosen_by_filter_fn_are_those_it_accepts_by_module_and_name(mode, installed):
+    base = gpt(checkpointing=mode)
+    seen = []
+
+    def filter_fn(module, fqn):
+        seen.append(fqn)
+        return isinstance(module, Block) and fqn != "blocks.1"
+
+    stashed = assert_the_stash_gives_the_normal_recompute(base, installed, 2, filter_fn=filter_fn)
+    assert stashed == [0, 1]
+    assert seen[0] == "" and "blocks.1" in seen  # every module of model.named_modules(), the model first
+    assert [name for _, name, _ in attnstash.attention_layers(base, filter_fn=filter_fn)] == ["blocks.0", "blocks.2"]
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"filter_fn": lambda m, fqn: False}, r"filter_fn accepted none of the modules of GPT .*filter_fn\(module, fqn\)"),
+    ({"filter_fn": "blocks"}, "filter_fn must be a callable .module, fqn. -> bool, got str"),
+    ({"filter_fn": lambda m, fqn: True, "layers": Block}, "give layers= or filter_fn=, not both"),
+])
+def test_a_bad_filter_fn_is_refused_with_what_was_expected(kwargs, words):
+    model = gpt()
+    with pytest.raises(attnstash.InstallError, match=words):
+        attnstash.install_attention_stash(model, **kwargs)
+    assert not any(hasattr(m, "_attnstash") for m in model.modules())
