@@ -51,7 +51,7 @@
  * keep demotes, or is refused, by the same rule. This is the one statement of the budget
  * rule; every other place points here. What relies on it: the planner's and the benchmark's
  * "the last n layers that fit" (attnstash/planner/results.py, layers_within;
- * attnstash/bench/harness.py, predicted_bytes), tests/python/test_budget.py and
+ * benchmarks/harness.py, predicted_bytes), tests/python/test_budget.py and
  * tests/cpp/test_registry_demotion*.cpp with the reference model in tests/cpp/registry_model.cpp.
  *
  * Keys: a key's `shape` holds rank sizes (rank 0..STASH_MAX_RANK; a larger rank is an

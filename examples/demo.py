@@ -4,7 +4,7 @@ Each configuration trains two runs from the same seed on the same batches, alter
 step (so both see the same machine load): run A with activation checkpointing (every recompute
 runs its attention forward again), run B the same with attnstash.install_attention_stash (the
 recompute reuses the kept output). Nothing is downloaded: the decoder is a Qwen3 built from a
-config (the "demo" preset of attnstash.bench.models) trained on examples/corpus.txt with a
+config (the "demo" preset of benchmarks.models) trained on examples/corpus.txt with a
 byte-level tokenizer; the diffusion transformer is diffusers' FluxTransformer2DModel, built small.
 
     plain           the decoder, fp32, reentrant checkpointing, fixed-length batches, the stash
@@ -40,7 +40,10 @@ import torch
 from torch.utils import benchmark
 
 import attnstash
-from attnstash.bench import harness, models
+
+# The benchmark is part of the repository, not of the installed package: import it from the root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import harness, models  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
@@ -217,7 +220,7 @@ def train_budget(shape, args, tokens):
 def train_lora(args):
     """The diffusers-lora configuration (see the module docstring)."""
     from peft import LoraConfig
-    from attnstash.bench.dit import DiTShape, DiTStep, build_dit
+    from benchmarks.dit import DiTShape, DiTStep, build_dit
     device = args.device or "cpu"
     shape = DiTShape(heads=4, head_dim=32, layers=2, single_layers=2, tokens=args.lora_tokens, text_tokens=64, batch=1,
                      in_channels=16, joint_dim=64, pooled_dim=32, dtype="fp32" if device == "cpu" else "bf16",

@@ -129,15 +129,15 @@ stage pytest-gpu 300 $PY -m pytest tests/python/test_gpu_ops.py tests/python/tes
   tests/python/test_gpu_offload.py \
   -v -rs -p no:cacheprovider --junitxml="$WORK/pytest-gpu.xml"
 
-BENCH=("$PY" -m attnstash.bench --preset "$PRESET" --device "$DEVICE" --out "$WORK")
+BENCH=("$PY" -m benchmarks --preset "$PRESET" --device "$DEVICE" --out "$WORK")
 stage profile 150 "${BENCH[@]}" --mode profile "${QUICK[@]}"
 stage layer 120 "${BENCH[@]}" --mode layer "${QUICK[@]}"
 stage seq-sweep 240 "${BENCH[@]}" --mode seq-sweep --seqs "$SEQS" --sweep-seconds "$SWEEP_SECONDS"
-stage offload 150 "$PY" -m attnstash.bench --mode seq-sweep --offload --preset "$PRESET" --device "$DEVICE" \
+stage offload 150 "$PY" -m benchmarks --mode seq-sweep --offload --preset "$PRESET" --device "$DEVICE" \
   --out "$WORK/offload" --seqs "$OFFLOAD_SEQS" --sweep-seconds 30
 stage bench 200 "${BENCH[@]}" "${QUICK[@]}"
 stage compile 240 "${BENCH[@]}" --mode compile "${QUICK[@]}"
-stage dit 200 "$PY" -m attnstash.bench --mode dit --device "$DEVICE" --out "$WORK" "${DIT[@]}" "${QUICK[@]}"
+stage dit 200 "$PY" -m benchmarks --mode dit --device "$DEVICE" --out "$WORK" "${DIT[@]}" "${QUICK[@]}"
 stage pytest 300 $PY -m pytest tests/python -q -rs -p no:cacheprovider --ignore=tests/python/test_gpu_ops.py --ignore=tests/python/test_gpu_compile.py \
   --ignore=tests/python/test_gpu_offload.py \
   --junitxml="$WORK/pytest.xml" "${PYTEST_REST[@]}"

@@ -1,12 +1,20 @@
-"""What the compile tests count, as `bench --mode compile` counts it (attnstash/bench/compiled.py):
+"""What the compile tests count, as `bench --mode compile` counts it (benchmarks/compiled.py):
 the graphs dynamo hands a backend and their call nodes (Counting), and the fused attention
 forwards a step runs (attention_forwards, torch.profiler); and the runs they are counted on
 (compiled_run, with_and_without_stash)."""
+import sys
+from pathlib import Path
+
 import torch
 
 import attnstash
 
-from attnstash.bench.compiled import Counting, attention_forwards  # noqa: F401 (the tests' counters)
+# benchmarks/ is the repository's, not the installed package's: the repository root on sys.path
+# makes it importable whatever directory pytest runs from (test_bench*.py import this for that too).
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+from benchmarks.compiled import Counting, attention_forwards  # noqa: E402,F401 (the tests' counters)
 
 
 def bitwise_equal(runs_a, runs_b):

@@ -1,4 +1,4 @@
-"""attnstash.bench and examples/demo.py at tiny sizes on CPU: every mode runs and writes what it
+"""benchmarks/ and examples/demo.py at tiny sizes on CPU: every mode runs and writes what it
 promises, losses and gradients are bitwise equal to plain checkpointing of the same mode, the
 stash keeps exactly the bytes predicted (and never more than a budget), and the profile's GPU
 analysis reads a CUDA-shaped event tree right. Timings are recorded, never asserted."""
@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import attnstash
-from attnstash.bench import models
-from attnstash.bench.__main__ import main as bench_main
+import compile_cases  # noqa: F401 (puts the repository root, which holds benchmarks/, on sys.path)
+from benchmarks import models
+from benchmarks.__main__ import main as bench_main
 
 ROOT = Path(__file__).resolve().parents[2]
 # 2 layers, hidden 32, 4 query / 2 KV heads of 8, micro-batch 2 x 64 tokens, fp32 on CPU.
@@ -181,7 +182,7 @@ def _event(name, start, end, parent=None, device=False, kernels=(), ident=0, lin
 def test_profile_analysis_of_a_cuda_event_tree():
     """The GPU half of --mode profile, which this CPU cannot run: kernels classed by the op that launched
     them, GPU idle of the kernels launched in the step and in the recompute (by their launch's time)."""
-    from attnstash.bench import profile
+    from benchmarks import profile
     step = _event("bench:step", 0, 1000, user=True)
     recompute = _event("bench:recompute", 300, 500, step, user=True)
     mm, sdpa = _event("aten::mm", 20, 40, step), _event("aten::_scaled_dot_product_cudnn_attention", 60, 80, step)
@@ -213,7 +214,7 @@ class _Averages(list):
 
 
 def test_seq_sweep(tmp_path, monkeypatch):
-    from attnstash.bench import decoder
+    from benchmarks import decoder
     real = decoder.measure
 
     def failing_at_48(runs, reference, planned, *args, **kwargs):
@@ -241,7 +242,7 @@ def test_seq_sweep_under_the_users_offloading(tmp_path, monkeypatch):
     # the stash's records included; the stash rows still keep and match plain checkpointing
     # bitwise; the rows with the stash's own offload (which takes the place of the hooks for what
     # the stash keeps) move nothing on a CPU.
-    from attnstash.bench import harness
+    from benchmarks import harness
     packed = []
     real = torch.autograd.graph.save_on_cpu
 
@@ -329,7 +330,7 @@ def test_host_mode_measures_each_path(tmp_path):
 def test_the_module_call_path_is_reached_as_a_module_call():
     """Host mode's two paths are what they claim: the decoder's layers through transformers' checkpoint
     function, the same layers in a plain Block as a module call."""
-    from attnstash.bench.dit import Block, PlainDecoder
+    from benchmarks.dit import Block, PlainDecoder
     from attnstash.install import core, layers
     hf = models.build_model(models.make_shape("tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8))
     plain = PlainDecoder(hf)
@@ -344,10 +345,10 @@ def test_the_module_call_path_is_reached_as_a_module_call():
 
 def test_the_cli_runs_as_a_package_with_amp_and_padding(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    done = subprocess.run([sys.executable, "-m", "attnstash.bench", *TINY, *ONCE, "--stash-points", "all",
+    done = subprocess.run([sys.executable, "-m", "benchmarks", *TINY, *ONCE, "--stash-points", "all",
                            "--amp", "bf16", "--pad", "0.25", "--max-bytes", str(PER_LAYER_BF16),
                            "--out", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fp32 weights under autocast bf16" in done.stdout and "losses bitwise equal" in done.stdout
     report = json.loads((tmp_path / "bench.json").read_text())
@@ -361,7 +362,7 @@ def test_the_cli_runs_as_a_package_with_amp_and_padding(tmp_path):
 
 
 def test_the_package_layout():
-    package = ROOT / "attnstash" / "bench"
+    package = ROOT / "benchmarks"
     for path in [*package.glob("*.py"), ROOT / "examples" / "demo.py"]:
         assert len(path.read_text().splitlines()) <= 450, path
     experiments = {"decoder", "profile", "soak", "dit", "report", "__main__"}
@@ -374,10 +375,10 @@ def imported_bench_modules(path):
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.module == "attnstash.bench" or (node.level == 1 and node.module is None):
+            if node.module == "benchmarks" or (node.level == 1 and node.module is None):
                 found |= {a.name for a in node.names}
-            elif node.module and node.module.startswith("attnstash.bench."):
-                found.add(node.module.split(".")[2])
+            elif node.module and node.module.startswith("benchmarks."):
+                found.add(node.module.split(".")[1])
             elif node.level == 1:
                 found.add(node.module.split(".")[0])
     return found

@@ -1,11 +1,12 @@
-"""bench --mode compile (attnstash/bench/compiled.py) at a tiny shape: every configuration
+"""bench --mode compile (benchmarks/compiled.py) at a tiny shape: every configuration
 compiles, the stash's compiled runs keep the graphs of the runs without it and run half their
 attention forwards, bitwise; SAC and the eager stash run one attention forward per call too;
 the report is written and nothing is left installed or held."""
 import json
 
 import attnstash
-from attnstash.bench.__main__ import main as bench_main
+import compile_cases  # noqa: F401 (puts the repository root, which holds benchmarks/, on sys.path)
+from benchmarks.__main__ import main as bench_main
 from tiny_models import nothing_installed
 
 TINY = ["--preset", "tiny", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",

@@ -81,7 +81,7 @@ def model_mode(shape, args, out):
     n = len(planned.layers)
     points = args.stash_points or sorted({1, max(1, n // 4), max(1, n // 2), n})
     if not all(1 <= k <= n for k in points):
-        raise SystemExit(f"attnstash.bench: --stash-points must be between 1 and the {n} layers, got {points}")
+        raise SystemExit(f"benchmarks: --stash-points must be between 1 and the {n} layers, got {points}")
     configs = ([Config("none"), Config("reentrant"), Config("reentrant", 0)] + [Config("reentrant", k) for k in points]
                + [Config("reentrant", n, spec) for spec, _ in args.max_bytes]
                + [Config("sac"), Config("non-reentrant"), Config("non-reentrant", n)])

@@ -72,7 +72,7 @@ def soak(shape, mode, steps, seed, max_bytes=None):
 
 def soak_mode(shape, args, out):
     if len(args.max_bytes) > 1:
-        raise SystemExit("attnstash.bench: --mode soak takes one --max-bytes budget")
+        raise SystemExit("benchmarks: --mode soak takes one --max-bytes budget")
     max_bytes = args.max_bytes[0][1] if args.max_bytes else None
     modes = ("reentrant", "non-reentrant") if args.checkpointing == "both" else (args.checkpointing,)
     runs = {mode: soak(shape, mode, args.steps, args.seed, max_bytes) for mode in modes}

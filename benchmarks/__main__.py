@@ -1,4 +1,4 @@
-"""python -m attnstash.bench: what the attention stash saves, what it costs, and that it changes nothing.
+"""python -m benchmarks: what the attention stash saves, what it costs, and that it changes nothing.
 
     --mode model      (default) one training step of the whole decoder per configuration: decoder.py
     --mode layer      one decoder layer under reentrant and non-reentrant checkpointing, without and
@@ -52,7 +52,7 @@ def _budget(text):
 
 def parse_args(argv=None):
     from .dit import DIT_PRESETS
-    p = argparse.ArgumentParser(prog="python -m attnstash.bench", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=MODES, default="model")
@@ -120,7 +120,7 @@ def main(argv=None):
         if args.stash_points:
             args.stash_points = sorted({shape.layers if k == "all" else k for k in args.stash_points})
     if shape.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"attnstash.bench: the {args.preset} preset runs on CUDA, which this torch cannot use; "
+        raise SystemExit(f"benchmarks: the {args.preset} preset runs on CUDA, which this torch cannot use; "
                          "pass --device cpu (and a smaller shape) to run it here.")
     from . import compiled, decoder, dit, profile, soak
     run = {"model": decoder.model_mode, "layer": decoder.layer_mode, "profile": profile.profile_mode,

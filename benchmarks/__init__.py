@@ -1,6 +1,7 @@
-"""attnstash.bench: what the attention stash saves, what it costs, and that it changes nothing.
+"""benchmarks: what the attention stash saves, what it costs, and that it changes nothing.
 
-`python -m attnstash.bench --mode model|layer|profile|seq-sweep|soak|dit|host|compile` (__main__.py).
+`python -m benchmarks --mode model|layer|profile|seq-sweep|soak|dit|host|compile` (__main__.py), run from
+the repository root: the benchmark is the repository's, not part of the installed package.
 
     models.py    the decoder (Qwen3), checkpointing (SAC included), inputs, the planner's
                  prediction and the attention forward the stash skips; examples/demo.py uses it
