@@ -206,6 +206,46 @@ def paired(times, a, b):
     return q[1], q[2] - q[0]
 
 
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Counting(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def function_mode_cost(decoder, shape):
+    """What a TorchFunctionMode pushed only inside a stashed layer's forward would cost (one way
+    for attention calls to reach the stash: it sees every torch call of that forward): one
+    decoder layer's forward alone and under a mode that passes every call through."""
+    layer, x = decoder.model.layers[0], torch.randn(1, shape.seq, shape.hidden)
+    cos, sin = decoder.model.rotary_emb(x, torch.arange(shape.seq).unsqueeze(0))
+
+    def forward():
+        with torch.no_grad():
+            layer(x, attention_mask=None, position_embeddings=(cos, sin))
+
+    def under_mode():
+        with _PassThrough():
+            forward()
+
+    counting = _Counting()
+    with counting:
+        forward()
+    cost = {"torch_calls": counting.calls}
+    for name, fn in (("alone_us", forward), ("under_mode_us", under_mode)):
+        timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=1, timer=time.thread_time)
+        cost[name] = timer.blocked_autorange(min_run_time=1).median * 1e6
+    return cost
+
+
 def host_mode(shape, args, out):
     shape = make_shape("tiny", layers=args.layers or 4, hidden=64, heads=4, kv_heads=2, head_dim=16,
                        seq=args.seq or 32, batch=1, device="cpu")
@@ -231,6 +271,7 @@ def host_mode(shape, args, out):
     attnstash.install_attention_stash(decoy(), 1)
     routed = timer.blocked_autorange(min_run_time=1).median * 1e6
     attnstash.uninstall_attention_stash(decoy())
+    mode_cost = function_mode_cost(decoder, shape)
     med, routing, per_layer = {k: median_ms(m) for k, m in times.items()}, {}, {}
     for mode in modes:
         for tag, calls in ((tags[0], 2 * n), (tags[1], 2 * (flux.layers + flux.single_layers))):
@@ -248,6 +289,7 @@ def host_mode(shape, args, out):
               "environment": environment("cpu"), "rounds": {"warmup": args.warmup, "repeats": args.repeats},
               "medians_ms": med, "times_ms": {k: [t * 1e3 for t in m.times] for k, m in times.items()},
               "sdpa_call_us": {"torch": alone, "through_the_router": routed}, "routing_overhead": routing,
+              "function_mode_per_layer_forward": mode_cost,
               "per_stashed_layer": per_layer, "checks": checks,
               "losses_equal": {tag[:-2]: losses_equal([r for r in runs if r.tag == tag]) for tag in tags}}
     report.print_measurements(times)
@@ -259,6 +301,9 @@ def host_mode(shape, args, out):
         ("router x calls", lambda kv: f"{kv[1]['router_estimate']:+.3%}")]))
     print(f"router: F.sdpa at the decoder's shape {alone:.2f} us alone, {routed:.2f} us routed "
           "(Timer.blocked_autorange)")
+    print(f"a pass-through TorchFunctionMode around one decoder layer's forward (no_grad): "
+          f"{mode_cost['alone_us']:.1f} -> {mode_cost['under_mode_us']:.1f} us, "
+          f"{mode_cost['torch_calls']} torch calls (Timer.blocked_autorange)")
     print(report.table(per_layer.items(), [
         ("per stashed layer, us", lambda kv: kv[0]),
         ("transformers path", lambda kv: f"{kv[1]['transformers_us']:+.1f}"),
