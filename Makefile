@@ -4,11 +4,12 @@
 #   make test       venv + build + GoogleTest (ctest) + pytest; the Hugging Face tests again
 #                   under each transformers of HF_ALSO; timm; LLaMA-Factory and axolotl (a venv each)
 #   make sanitize   the C registry suite under ASan+UBSan, and under TSan
-#   make bench      python -m attnstash.bench (BENCH_ARGS="--mode layer", "--mode soak", ...)
+#   make bench      python -m benchmarks (BENCH_ARGS="--mode layer", "--mode soak", ...)
 #   make sweep      every model type of each transformers, and every diffusers model class
 #   make torch-matrix   the CPU suite on each torch release of the supported range (not in CI)
 #   make transformers-matrix   the Hugging Face tests on each transformers minor of the range (not in CI)
 #   make build      only (re)build attnstash/_C into the venv
+#   make check      the fast inner loop: build, ctest and the op-level pytest files (CHECK_TESTS; under a minute)
 #
 # Another torch: make test TORCH=torch==2.14.1 VENV=.venv-214
 # Another transformers: make test TRANSFORMERS=transformers==4.57.6 VENV=.venv-4.57
@@ -33,7 +34,7 @@ BUILD_DIR ?= build/$(notdir $(VENV))
 PYTEST_ARGS ?=
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all venv gtest build demo bench test test-cpp test-python print-hf-tests print-hf-pins hf-venvs test-hf-also test-timm test-tools sweep torch-matrix transformers-matrix sanitize clean
+.PHONY: all venv gtest build check demo bench test test-cpp test-python print-hf-tests print-hf-pins hf-venvs test-hf-also test-timm test-tools sweep torch-matrix transformers-matrix sanitize clean
 all: test
 
 venv:
@@ -71,13 +72,23 @@ demo: build
 
 BENCH_ARGS ?=
 bench: build
-	$(PYTHON) -m attnstash.bench $(BENCH_ARGS)
+	$(PYTHON) -m benchmarks $(BENCH_ARGS)
 
 test-cpp: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
 
 test-python: build
 	$(PYTHON) -m pytest tests/python -q $(PYTEST_ARGS)
+
+# The fast inner loop, from a built tree: the C core's ctest and the op-level tests, which need
+# only torch and attnstash, not transformers (their generic helpers: tests/python/helpers.py), and the
+# installer on plain PyTorch models (test_any_model.py).
+CHECK_TESTS = tests/python/test_sdpa_ops_bitwise.py tests/python/test_sdpa_ops_phases.py \
+  tests/python/test_sdpa_ops_refusals.py tests/python/test_sdpa_ops_compile.py tests/python/test_compile.py \
+  tests/python/test_errors.py tests/python/test_edge_inputs.py tests/python/test_info.py tests/python/test_any_model.py
+check: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
+	$(PYTHON) -m pytest $(CHECK_TESTS) -q $(PYTEST_ARGS)
 
 # The tests that depend on transformers, again under each release of HF_ALSO: the same
 # extension (same torch, same Python) imported from the source tree.

@@ -11,7 +11,7 @@ import torch
 
 import attnstash
 from tiny_torch_models import Block, TableBlock, gpt, ids, loss_and_grads, wrapped
-from tiny_models import assert_bitwise_equal, counters
+from helpers import assert_bitwise_equal, counters
 
 MODES = ("reentrant", "non-reentrant")
 

@@ -15,13 +15,19 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 PTH = Path(sysconfig.get_paths()["purelib"]) / "attnstash-autostash.pth"
-pytestmark = pytest.mark.skipif(not PTH.exists(), reason=f"the start-up line is not installed ({PTH}): `make build` "
-                                                         "copies it for an editable install, pip for a regular one")
+
+
+def require_start_up_line():
+    """A missing start-up line fails the test (never skips it): after `make build` it must be there."""
+    if not PTH.exists():
+        pytest.fail(f"{PTH.name} is missing from site-packages ({PTH.parent}): `make build` puts it there "
+                    "(copied for an editable install; pip installs it with a regular one)", pytrace=False)
 
 
 def run(code, **env):
     """Runs `code` in a new interpreter with the variables `env` (None: unset); (stdout's last
     line as JSON, stderr, return code)."""
+    require_start_up_line()
     environ = {k: v for k, v in os.environ.items() if not k.startswith("ATTNSTASH_")}
     environ.update({k: v for k, v in env.items() if v is not None})
     environ["PYTHONPATH"] = os.pathsep.join([str(HERE), environ.get("PYTHONPATH", "")])

@@ -7,7 +7,7 @@ import json
 import attnstash
 import compile_cases  # noqa: F401 (puts the repository root, which holds benchmarks/, on sys.path)
 from benchmarks.__main__ import main as bench_main
-from tiny_models import nothing_installed
+from helpers import nothing_installed
 
 TINY = ["--preset", "tiny", "--layers", "2", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
         "--seq", "32", "--batch", "2", "--repeats", "1", "--warmup", "0"]

@@ -121,24 +121,85 @@ def test_a_torch_outside_the_supported_range_is_refused_with_what_to_install():
         assert f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}" in message and "pip install" in message
 
 
-def test_the_build_and_the_package_metadata_read_the_same_torch_range():
-    from pathlib import Path
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    root = Path(__file__).resolve().parents[2]
-    assert 'REGEX "^SUPPORTED_TORCH = "' in (root / "CMakeLists.txt").read_text()
+def requirements_of_the_installed_package():
+    """The installed attnstash's Requires-Dist entries (what pip reads), each as (name, {specifier},
+    marker): ("torch", {">=2.11", "<2.16"}, "")."""
+    from importlib import metadata
+    found = set()
+    for entry in metadata.requires("attnstash") or []:
+        spec, _, marker = entry.partition(";")
+        name = re.match(r"\s*([A-Za-z0-9_.-]+)", spec).group(1)
+        specifiers = frozenset(s.strip() for s in spec.strip()[len(name):].strip(" ()").split(",") if s.strip())
+        found.add((name.lower(), specifiers, marker.strip().replace("'", '"')))
+    return found
+
+
+def test_the_installed_package_requires_the_torch_range_it_loads_under():
     (lo, hi) = _library.SUPPORTED_TORCH
-    dependencies = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
-    assert f"torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}" in dependencies
+    assert ("torch", frozenset({f">={lo[0]}.{lo[1]}", f"<{hi[0]}.{hi[1] + 1}"}), "") in \
+        requirements_of_the_installed_package()
 
 
-def test_the_installer_and_the_package_metadata_read_the_same_transformers_range():
-    from pathlib import Path
+def test_the_installed_package_s_transformers_extra_is_the_installer_s_range():
+    # pip install 'attnstash[transformers]' installs a release the installer accepts.
     from attnstash.install import transformers_adapter
     (lo, hi) = transformers_adapter.SUPPORTED
+    assert ("transformers", frozenset({f">={lo[0]}.{lo[1]}", f"<{hi[0]}.{hi[1] + 1}"}), 'extra == "transformers"') in \
+        requirements_of_the_installed_package()
+
+
+FAKE_TORCH = {  # what CMakeLists.txt asks of torch, from a stand-in that reports `version`
+    "torch/__init__.py": "__version__ = {version!r}\n\n\nclass _C:\n    _GLIBCXX_USE_CXX11_ABI = 1\n",
+    "torch/utils/__init__.py": "",
+    "torch/utils/cpp_extension.py": ("def include_paths():\n    return ['/nonexistent/include']\n\n\n"
+                                     "def library_paths():\n    return ['/nonexistent/lib']\n"),
+}
+
+
+def test_the_build_refuses_a_torch_outside_the_range_it_reads_from_library_py(tmp_path):
+    # CMake's configure step on a copy of the build files, against a stand-in torch of each version:
+    # it refuses one outside SUPPORTED_TORCH, and reads that range from attnstash/_library.py (a copy
+    # whose range is narrowed refuses a release the real range accepts).
+    import shutil
+    from pathlib import Path
+    if shutil.which("cmake") is None:
+        pytest.fail("cmake is not on PATH, but attnstash was built with it (make build)")
     root = Path(__file__).resolve().parents[2]
-    assert (root / "attnstash/install/transformers-range.txt").read_text().split() == [
-        f"transformers>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}"]
-    assert "attnstash/install/transformers-range.txt" in (root / "pyproject.toml").read_text()
+    src = tmp_path / "src"
+    shutil.copytree(root / "csrc", src / "csrc")
+    shutil.copy2(root / "CMakeLists.txt", src / "CMakeLists.txt")
+    library = (root / "attnstash" / "_library.py").read_text()
+    (lo, hi) = _library.SUPPORTED_TORCH
+
+    def configure(torch_version, supported=(lo, hi)):
+        (text, lines) = re.subn(r"^SUPPORTED_TORCH = .*$", f"SUPPORTED_TORCH = {supported}", library, flags=re.M)
+        assert lines == 1
+        (src / "attnstash").mkdir(exist_ok=True)
+        (src / "attnstash" / "_library.py").write_text(text)
+        fake = tmp_path / f"torch-{torch_version}"
+        for name, text in FAKE_TORCH.items():
+            (fake / name).parent.mkdir(parents=True, exist_ok=True)
+            (fake / name).write_text(text.format(version=torch_version))
+        env = {**os.environ, "PYTHONPATH": str(fake)}
+        done = subprocess.run(["cmake", "-S", str(src), "-B", str(tmp_path / "build"),
+                               f"-DPython_EXECUTABLE={sys.executable}", f"-DATTNSTASH_OUTPUT_DIR={tmp_path / 'out'}"],
+                              capture_output=True, text=True, env=env, timeout=300)
+        output = " ".join((done.stdout + done.stderr).split())  # (CMake wraps its messages' lines)
+        assert f"torch {torch_version} from /nonexistent/lib" in output, output  # the stand-in was read
+        refused = f"has torch {torch_version}, but attnstash supports torch " in output
+        assert not refused or done.returncode != 0, output
+        return refused, output
+
+    for outside in (f"{hi[0]}.{hi[1] + 1}.0", f"{lo[0]}.{lo[1] - 1}.2+cu126"):
+        (refused, output) = configure(outside)
+        assert refused and f"supports torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]} only" in output, output
+        assert f"pip install 'torch>={lo[0]}.{lo[1]},<{hi[0]}.{hi[1] + 1}'" in output, output
+    newest = f"{hi[0]}.{hi[1]}.0"
+    (refused, output) = configure(newest)
+    assert not refused, output  # (the configure goes on, and fails later on the stand-in's missing libraries)
+    narrowed = (lo, (hi[0], hi[1] - 1))
+    (refused, output) = configure(newest, supported=narrowed)
+    assert refused and f"supports torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1] - 1} only" in output, output
 
 
 def test_the_python_table_of_kept_backends_is_the_compiled_one():

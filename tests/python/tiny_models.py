@@ -1,9 +1,13 @@
-"""Tiny Hugging Face decoders built from configs (no downloads), for the tests."""
-import copy
+"""Tiny Hugging Face decoders built from configs (no downloads), for the tests. The generic
+helpers that need only torch live in helpers.py (the op-level tests import them from there) and
+are re-exported here."""
 import dataclasses
 
 import torch
 import transformers
+
+from helpers import (assert_bitwise_equal, assert_within_run_spread, clone, counters,  # noqa: F401
+                     nothing_installed)
 
 ARCHS = ("llama", "mistral", "qwen2", "mixtral", "qwen3_moe")
 VOCAB = 97
@@ -41,10 +45,6 @@ def checkpointing_field():
     return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
 
 
-def clone(model):
-    return copy.deepcopy(model)
-
-
 def batch(seed=1, batch_size=2, seq=24):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch_size, seq), generator=g)
@@ -56,42 +56,3 @@ def loss_and_grads(model, ids, **kwargs):
     loss = model(input_ids=ids, labels=ids, **kwargs).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_bitwise_equal(a, b):
-    loss_a, grads_a = a
-    loss_b, grads_b = b
-    assert torch.equal(loss_a, loss_b), (loss_a, loss_b)
-    assert grads_a.keys() == grads_b.keys()
-    different = [n for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
-    assert not different, f"gradients differ: {different}"
-
-
-def assert_within_run_spread(normal, got):
-    """For a backward that is not deterministic (cuDNN accumulates dQ in any order): `got`'s
-    loss bitwise the first normal run's, and each gradient bitwise where the normal runs are,
-    else no further from its nearest normal run than they are from each other. `normal`: (loss,
-    [grad]) of several runs without the stash; `got`: one with it."""
-    loss, grads = got
-    assert torch.equal(loss, normal[0][0])
-    for i, g in enumerate(grads):
-        runs = [n[1][i] for n in normal]
-        spread = max((a - b).abs().max().item() for j, a in enumerate(runs) for b in runs[j + 1:])
-        nearest = min((g - r).abs().max().item() for r in runs)
-        assert nearest <= spread, (i, nearest, spread)
-
-
-def nothing_installed():
-    """No stash is installed anywhere: F.scaled_dot_product_attention is torch's own and
-    transformers' layer class carries no stand-in for the checkpoint function."""
-    import torch.nn.functional as F
-    from transformers.modeling_layers import GradientCheckpointingLayer
-    return (F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
-            and "_gradient_checkpointing_func" not in vars(GradientCheckpointingLayer))
-
-
-def counters():
-    """The stash's (keeps, replays) so far."""
-    import attnstash
-    s = attnstash.stash_stats()
-    return s["keeps"], s["replays"]
