@@ -100,6 +100,17 @@ def move_in(record: int, output, logsumexp) -> bool:
     return _ops._record_move_in(record, output, logsumexp)
 
 
+def note_rng(record: int, state) -> bool:
+    """The random-number check: note on record `record` the random state its first forward's
+    call was made in; whether it is still held (torch_ops/records.h, note_rng)."""
+    return _ops._record_note_rng(record, state)
+
+
+def noted_rng(anchor, slot: int):
+    """The random state noted on the record held for (anchor, slot), or None."""
+    return _ops._record_noted_rng(anchor, slot)
+
+
 def stash_clear() -> int:
     """Release everything kept; returns the number of records released. A recompute whose
     output was released fails clearly (it never recomputes silently)."""

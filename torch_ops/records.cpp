@@ -245,6 +245,23 @@ PayloadPtr payload_by_id(int64_t id) {
 }
 }  // namespace
 
+bool note_rng(int64_t id, const at::Tensor& state) {
+  PayloadPtr payload = payload_by_id(id);
+  if (!payload) return false;
+  payload->call.rng_state = state;
+  return true;
+}
+
+std::optional<at::Tensor> noted_rng(const at::Tensor& anchor, int64_t slot) {
+  stash_key key = key_of(anchor, slot, "_record_noted_rng");
+  std::optional<at::Tensor> state;
+  peek_record(key, [&](const stash_record& r) {
+    const Payload& payload = payload_of(r);
+    if (payload.call.rng_state.defined() && kept_for(payload, anchor)) state = payload.call.rng_state;
+  });
+  return state;
+}
+
 std::vector<at::Tensor> move_out(int64_t id) {
   PayloadPtr payload = payload_by_id(id);
   auto* kept = payload ? std::get_if<Kept>(&payload->state) : nullptr;

@@ -54,6 +54,9 @@ struct CallSignature {
   // Kept behind its first forward's own node (non-reentrant checkpointing): the recompute only
   // refills what that node saved, and the node's backward takes the record.
   bool non_reentrant = false;
+  // The random state the call was made in, where its recompute must make it in the same state
+  // (attnstash/install/random_state.py: records::note_rng); undefined where nothing is checked.
+  at::Tensor rng_state;
 };
 
 // A record's state, each with the data it carries. A non-reentrant node decides from it what
@@ -165,6 +168,12 @@ int64_t record_id(const at::Tensor& anchor, int64_t slot);
 // fails if they come back with another shape, dtype or device than they left with.
 std::vector<at::Tensor> move_out(int64_t id);
 bool move_in(int64_t id, const at::Tensor& output, const at::Tensor& logsumexp);
+
+// The random-number check (attnstash/install/random_state.py): note on record `id` the random
+// state its first forward's call was made in (false if the record is gone); noted_rng gives the
+// state noted on the record held for (anchor, slot), if any. The note goes with the record.
+bool note_rng(int64_t id, const at::Tensor& state);
+std::optional<at::Tensor> noted_rng(const at::Tensor& anchor, int64_t slot);
 
 }  // namespace records
 

@@ -91,6 +91,11 @@ TORCH_LIBRARY(attnstash, m) {
   // recompute (whether it was still held): records.h, move_out.
   m.def("_record_move_out(int id) -> Tensor[]", &attnstash::records::move_out);
   m.def("_record_move_in(int id, Tensor output, Tensor logsumexp) -> bool", &attnstash::records::move_in);
+  // The random-number check (attnstash/install/random_state.py): the random state a first
+  // forward's call was made in, noted on its record, and read back before its recompute's
+  // call: records.h, note_rng.
+  m.def("_record_note_rng(int id, Tensor state) -> bool", &attnstash::records::note_rng);
+  m.def("_record_noted_rng(Tensor anchor, int slot) -> Tensor?", &attnstash::records::noted_rng);
   // Releases one forward's reference of record `id` (its graph was dropped without a
   // backward); whether it was held.
   m.def("stash_release(int id) -> bool", &attnstash::records::release);

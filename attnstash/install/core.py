@@ -49,12 +49,13 @@ class LayerStash:
     reached, its class's forward, its slots, and the attention calls of its last first forward that kept (None
     before one; attention_layers prints it)."""
     __slots__ = ("index", "name", "reach", "slot_base", "calls", "forward", "kind", "pending", "offload",
-                 "__weakref__")
+                 "rng_noted", "__weakref__")
 
     def __init__(self, index, name, reach, forward=None, kind="", offload=None):
         self.index, self.name, self.reach, self.calls, self.kind = index, name, reach, None, kind  # kind: class name
         self.pending = []  # MODULE_CALL first forwards awaiting their recompute under a token (module_call.py)
         self.offload = offload  # the install's offload.Own, or None
+        self.rng_noted = False  # a first forward noted a random state for its recompute to check (random_state.py)
         self.forward = forward  # the layer class's forward function (what torch.compile traces: compiled.py)
         self.slot_base = state.new_slot_base()
         state.live.add(self)
@@ -119,7 +120,7 @@ class Frame:
             if record and self.mover is not None:
                 self.moving.append(record)
             if record and noted is not None:
-                Rng.note(record, noted)
+                Rng.note(self.stash, record, noted)
         return out
 
 
@@ -133,7 +134,7 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token
     if state.in_backward():  # a recompute: it routes what its first forward routed
         keep = grad and limit != 0
         return Frame(stash, anchor if token is None else token, keep, first=False, limit=limit,
-                     rng=Rng.recompute() if keep else None)
+                     rng=Rng.recompute(stash) if keep else None)
     hooks = state.saved_tensor_hooks_active()
     if grad and not hooks:
         raise CheckpointingError(

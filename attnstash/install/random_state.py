@@ -18,9 +18,9 @@ class Rng:
     attention after a draw (the state differs from the forward's start) is refused at once.
     Where it cannot be seen, such a first forward notes the state the call was made in, and its
     recompute must make that call in the same state: exactly the condition for having drawn the
-    same numbers."""
+    same numbers. The noted state goes with the call's record (ops.note_rng), and the layer
+    remembers that it noted one (LayerStash.rng_noted): only its recompute reads them back."""
     __slots__ = ("start", "refuse")
-    expected = {}  # record id -> the random state its first forward's call was made in
 
     def __init__(self, start, refuse=False):
         self.start, self.refuse = start, refuse
@@ -30,8 +30,8 @@ class Rng:
         return cls(_rng_state(device), refuse=preserves is False)
 
     @classmethod
-    def recompute(cls):
-        return cls(None) if cls.expected else None
+    def recompute(cls, stash):
+        return cls(None) if stash.rng_noted else None
 
     def before_call(self, frame, slot, device):
         """A first forward's: the state to note for this call (None: nothing drawn since its
@@ -43,8 +43,7 @@ class Rng:
             if not self.refuse:
                 return now
         else:
-            record = ops.record_id(frame.anchor, slot)
-            want = Rng.expected.pop(record, None) if record else None
+            want = ops.noted_rng(frame.anchor, slot)
             if want is None or torch.equal(_rng_state(device), want):
                 return None
         raise CheckpointingError(
@@ -54,13 +53,10 @@ class Rng:
             "and the kept output would not match them. Checkpoint with preserve_rng_state=True (the default), "
             "or do not stash this layer.")
 
-    @classmethod
-    def note(cls, record, state):
-        if len(cls.expected) > 64:  # forwards dropped without a recompute leave theirs behind
-            held = set(ops.held_ids())
-            for stale in [r for r in cls.expected if r not in held]:
-                cls.expected.pop(stale, None)
-        cls.expected[record] = state
+    @staticmethod
+    def note(stash, record, state):
+        stash.rng_noted = True
+        ops.note_rng(record, state)
 
 
 def _rng_state(device):
