@@ -9,6 +9,8 @@
     --mode dit        a diffusers Flux transformer at --tokens image tokens: dit.py
     --mode host       the host cost of the routing at tiny shapes, one thread: dit.py
     --mode compile    the decoder under torch.compile, with and without the stash, SAC: compiled.py
+    --mode instructions  the host work per stashed layer, attnstash's and the seed's design's,
+                      in instructions (callgrind) and time: instructions.py
 
 Every configuration of a run is measured side by side in one process (harness.py): interleaved
 rounds, set-up outside the clock, medians, loss and every gradient checked bitwise. Output: tables
@@ -24,7 +26,7 @@ from attnstash import budget
 from .harness import cpu_threads
 from .models import PRESETS, dtype_name, make_shape
 
-MODES = ("model", "layer", "profile", "seq-sweep", "soak", "dit", "host", "compile")
+MODES = ("model", "layer", "profile", "seq-sweep", "soak", "dit", "host", "compile", "instructions")
 
 
 def _list(convert):
@@ -98,7 +100,7 @@ def parse_args(argv=None):
     if args.preset not in presets:
         p.error(f"--preset {args.preset} is not a{' dit' if dit else ' decoder'} preset: {', '.join(presets)}")
     args.repeats_given, args.warmup_given = args.repeats is not None, args.warmup is not None
-    host = args.mode == "host"
+    host = args.mode in ("host", "instructions")
     args.repeats = args.repeats if args.repeats_given else 300 if host else presets[args.preset]["repeats"]
     args.warmup = args.warmup if args.warmup_given else 20 if host else presets[args.preset]["warmup"]
     if args.repeats < 1 or args.warmup < 0:
@@ -122,10 +124,10 @@ def main(argv=None):
     if shape.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"benchmarks: the {args.preset} preset runs on CUDA, which this torch cannot use; "
                          "pass --device cpu (and a smaller shape) to run it here.")
-    from . import compiled, decoder, dit, profile, soak
+    from . import compiled, decoder, dit, instructions, profile, soak
     run = {"model": decoder.model_mode, "layer": decoder.layer_mode, "profile": profile.profile_mode,
            "seq-sweep": decoder.seq_sweep, "soak": soak.soak_mode, "dit": dit.dit_mode, "host": dit.host_mode,
-           "compile": compiled.compile_mode}
+           "compile": compiled.compile_mode, "instructions": instructions.instructions_mode}
     threads = args.threads if args.threads is not None else (1 if shape.device == "cpu" else 0)
     with cpu_threads(threads):
         return run[args.mode](shape, args, Path(args.out) if args.out else None)

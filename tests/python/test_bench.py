@@ -327,6 +327,29 @@ def test_host_mode_measures_each_path(tmp_path):
     assert nothing_installed()
 
 
+def test_instructions_mode_compares_designs_that_give_the_plain_step_bitwise(monkeypatch):
+    # Its callgrind counts take minutes a process, so only what decides whether they may be
+    # compared runs here: each configuration's step bitwise the plain one's, nothing left installed,
+    # and the interleaved timing of every configuration; a prototype that replays a wrong output
+    # is refused.
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from benchmarks import instructions, seed_design
+    for mode in ("reentrant", "non-reentrant"):
+        instructions.check(mode)
+        assert set(instructions.timed(mode, 1)) == {c for c in instructions.CONFIGS
+                                                    if mode == "reentrant" or not c.startswith("seed")}
+    assert nothing_installed() and attnstash.stash_stats()["records"] == 0
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+    replay = seed_design._Replay.forward
+    monkeypatch.setattr(seed_design._Replay, "forward", staticmethod(
+        lambda ctx, q, k, v, out, lse, causal, scale: replay(ctx, q, k, v, out * 1.001, lse, causal, scale)))
+    with pytest.raises(SystemExit, match="seed-all .reentrant. does not give the plain run's loss"):
+        instructions.check("reentrant")
+    assert nothing_installed() and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
+
+
 def test_the_module_call_path_is_reached_as_a_module_call():
     """Host mode's two paths are what they claim: the decoder's layers through transformers' checkpoint
     function, the same layers in a plain Block as a module call."""

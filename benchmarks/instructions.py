@@ -1,0 +1,165 @@
+"""--mode instructions: the host work the stash adds per stashed layer and step, counted in
+instructions by callgrind (deterministic: the same count whatever else the machine does), for
+attnstash and for the seed pull request's design (seed_design.py), and timed beside them.
+
+A tiny Qwen3 decoder (4 layers, hidden 64, 4 query / 2 KV heads of 16, batch 1 x sequence 16,
+fp32, CPU, one thread) where attention itself costs little, trained with reentrant checkpointing
+(the seed's design serves no other) and, for attnstash, non-reentrant. Each configuration runs in
+its own process under `valgrind --tool=callgrind` (addresses fixed: setarch -R, hash seed 0),
+once for `warmup + a` and once for
+`warmup + b` steps: the difference over b - a steps is one step's instructions, start-up and
+warm-up cancelled. Per stashed layer: (the stash on every layer - on 0 layers) / layers, where
+"0 layers" is each design installed with nothing to keep (attnstash: its router in place, as a
+decoy model's install leaves it; the seed: its wrapper of the "sdpa" entry). Losses and gradients
+of every configuration are checked bitwise against the plain run's in one process first.
+
+    python -m benchmarks --mode instructions            (about 15 minutes on 2 cores)
+"""
+import concurrent.futures
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ("attnstash-0", "attnstash-all", "seed-0", "seed-all")
+LAYERS = 4
+
+
+def build(config, mode):
+    """(model, step, undo) for one configuration: the stash as it says, checkpointing `mode`;
+    undo() removes what it installed."""
+    import attnstash
+    from .harness import decoy
+    from .models import build_model, enable_checkpointing, make_shape, random_batch
+    from .seed_design import SeedStash
+    shape = make_shape("tiny", layers=LAYERS, hidden=64, heads=4, kv_heads=2, head_dim=16, seq=16, batch=1)
+    model = build_model(shape)
+    enable_checkpointing(model, mode)
+    design, _, layers = config.partition("-")
+    undo = lambda: None  # noqa: E731
+    if design == "attnstash":
+        stashed = model if layers == "all" else decoy()  # 0 layers: the router in place, nothing of this model
+        attnstash.install_attention_stash(stashed, None if layers == "all" else 1)
+        undo = functools.partial(attnstash.uninstall_attention_stash, stashed)
+    elif design == "seed":
+        undo = SeedStash(model, None if layers == "all" else 0).uninstall
+    ids = random_batch(shape)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+    return model, step, undo
+
+
+def run_steps(config, mode, steps):
+    torch.set_num_threads(1)
+    _, step, _ = build(config, mode)
+    for _ in range(steps):
+        step()
+
+
+def check(mode):
+    """Loss and every gradient of each configuration bitwise the plain run's (one process)."""
+    results = {}
+    for config in ("plain",) + CONFIGS:
+        if config.startswith("seed") and mode != "reentrant":
+            continue
+        model, step, undo = build(config, mode)
+        loss = step()
+        undo()
+        results[config] = (loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        import attnstash
+        assert attnstash.stash_stats()["records"] == 0, f"{config}: the stash holds records after a step"
+    loss, grads = results.pop("plain")
+    for config, (other_loss, other_grads) in results.items():
+        same = torch.equal(loss, other_loss) and all(torch.equal(grads[n], other_grads[n]) for n in grads)
+        if not same:
+            raise SystemExit(f"benchmarks: {config} ({mode}) does not give the plain run's loss and gradients bitwise")
+
+
+def count(config, mode, steps):
+    """Instructions of one process running `steps` measured steps (callgrind's total)."""
+    with tempfile.TemporaryDirectory() as out:
+        log = Path(out) / "callgrind.out"
+        # Addresses fixed (no ASLR): dicts and the registry hash pointers, which would move the counts.
+        fixed = ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
+        cmd = [*fixed, "valgrind", "--tool=callgrind", f"--callgrind-out-file={log}", sys.executable, "-m",
+               "benchmarks.instructions", "--run", config, mode, str(steps)]
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
+                                   "PYTHONPATH": str(ROOT)})
+        totals = re.findall(r"^(?:summary|totals): (\d+)", log.read_text() if log.exists() else "", re.M)
+        if done.returncode or not totals:
+            raise SystemExit(f"benchmarks: callgrind failed for {config} ({mode}):\n{done.stderr[-2000:]}")
+        return int(totals[-1])
+
+
+def timed(mode, rounds):
+    """Host time per step (time.thread_time, us) of each configuration, interleaved, medians. In
+    one process, so F.sdpa is attnstash's router in every configuration (+0.6 us a call outside
+    stashed layers: it slows seed-0's calls, none of seed-all's), and seed-0's attention passes
+    seed-all's wrapper too: both in the seed's favour."""
+    torch.set_num_threads(1)
+    built = {c: build(c, mode) for c in CONFIGS if mode == "reentrant" or not c.startswith("seed")}
+    steps = {c: step for c, (_, step, _) in built.items()}
+    times = {c: [] for c in steps}
+    for _ in range(10):
+        for s in steps.values():
+            s()
+    for _ in range(rounds):
+        for c, s in steps.items():
+            t = time.thread_time()
+            s()
+            times[c].append(time.thread_time() - t)
+    for _, _, undo in reversed(built.values()):
+        undo()
+    return {c: sorted(t)[len(t) // 2] * 1e6 for c, t in times.items()}
+
+
+def instructions_mode(shape, args, out):
+    if shutil.which("valgrind") is None:
+        raise SystemExit("benchmarks: --mode instructions needs valgrind (Debian: apt-get install valgrind)")
+    warmup, a, b = 3, 2, 22
+    result = {"mode": "instructions", "layers": LAYERS, "steps": {"warmup": warmup, "a": a, "b": b},
+              "per_step": {}, "per_stashed_layer": {}, "time_per_step_us": {}}
+    jobs = [(config, mode, n) for mode in ("reentrant", "non-reentrant") for config in CONFIGS
+            if mode == "reentrant" or not config.startswith("seed") for n in (warmup + a, warmup + b)]
+    for mode in ("reentrant", "non-reentrant"):
+        check(mode)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # a process each
+        counts = dict(zip(jobs, pool.map(lambda job: count(*job), jobs)))
+    for mode in ("reentrant", "non-reentrant"):
+        per_step = {config: (counts[config, m, warmup + b] - counts[config, m, warmup + a]) / (b - a)
+                    for config, m, _ in jobs if m == mode}
+        for config, n in per_step.items():
+            print(f"{mode}, {config}: {n:,.0f} instructions a step", flush=True)
+        result["per_step"][mode] = per_step
+        result["per_stashed_layer"][mode] = {
+            design: (per_step[f"{design}-all"] - per_step[f"{design}-0"]) / LAYERS
+            for design in ("attnstash", "seed") if f"{design}-all" in per_step}
+        result["time_per_step_us"][mode] = timed(mode, args.repeats)
+    print("\nper stashed layer and step (instructions; host time, us, from the interleaved medians):")
+    for mode, designs in result["per_stashed_layer"].items():
+        us = result["time_per_step_us"][mode]
+        for design, n in designs.items():
+            t = (us[f"{design}-all"] - us[f"{design}-0"]) / LAYERS
+            print(f"  {mode:>13}, {design:>9}: {n:>12,.0f} instructions, {t:+8.1f} us")
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "instructions.json").write_text(json.dumps(result, indent=2))
+        print(f"wrote {out / 'instructions.json'}")
+    return result
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--run"]:
+    run_steps(sys.argv[2], sys.argv[3], int(sys.argv[4]))
