@@ -7,8 +7,8 @@ fp32, CPU, one thread) where attention itself costs little, trained with reentra
 (the seed's design serves no other) and, for attnstash, non-reentrant. Each configuration runs in
 its own process under `valgrind --tool=callgrind` (addresses fixed: setarch -R, hash seed 0),
 once for `warmup + a` and once for
-`warmup + b` steps: the difference over b - a steps is one step's instructions, start-up and
-warm-up cancelled. Per stashed layer: (the stash on every layer - on 0 layers) / layers, where
+`warmup + b` steps, the collector's state frozen after the warm-up (run_steps): the difference
+over b - a steps is one step's instructions, start-up and warm-up cancelled. Per stashed layer: (the stash on every layer - on 0 layers) / layers, where
 "0 layers" is each design installed with nothing to keep (attnstash: its router in place, as a
 decoy model's install leaves it; the seed: its wrapper of the "sdpa" entry). Losses and gradients
 of every configuration are checked bitwise against the plain run's in one process first.
@@ -17,6 +17,7 @@ of every configuration are checked bitwise against the plain run's in one proces
 """
 import concurrent.futures
 import functools
+import gc
 import json
 import os
 import re
@@ -61,9 +62,16 @@ def build(config, mode):
     return model, step, undo
 
 
-def run_steps(config, mode, steps):
+def run_steps(config, mode, warmup, steps):
+    """warmup steps, then `steps` from the same collector state: every object made so far
+    collected or frozen (gc.freeze), so that where the cyclic collector runs inside the measured
+    steps depends on their own allocations alone, not on what start-up and install left."""
     torch.set_num_threads(1)
     _, step, _ = build(config, mode)
+    for _ in range(warmup):
+        step()
+    gc.collect()
+    gc.freeze()
     for _ in range(steps):
         step()
 
@@ -87,14 +95,14 @@ def check(mode):
             raise SystemExit(f"benchmarks: {config} ({mode}) does not give the plain run's loss and gradients bitwise")
 
 
-def count(config, mode, steps):
-    """Instructions of one process running `steps` measured steps (callgrind's total)."""
+def count(config, mode, warmup, steps):
+    """Instructions of one process running `warmup` then `steps` steps (callgrind's total)."""
     with tempfile.TemporaryDirectory() as out:
         log = Path(out) / "callgrind.out"
         # Addresses fixed (no ASLR): dicts and the registry hash pointers, which would move the counts.
         fixed = ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
         cmd = [*fixed, "valgrind", "--tool=callgrind", f"--callgrind-out-file={log}", sys.executable, "-m",
-               "benchmarks.instructions", "--run", config, mode, str(steps)]
+               "benchmarks.instructions", "--run", config, mode, str(warmup), str(steps)]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
                                    "PYTHONPATH": str(ROOT)})
@@ -133,13 +141,13 @@ def instructions_mode(shape, args, out):
     result = {"mode": "instructions", "layers": LAYERS, "steps": {"warmup": warmup, "a": a, "b": b},
               "per_step": {}, "per_stashed_layer": {}, "time_per_step_us": {}}
     jobs = [(config, mode, n) for mode in ("reentrant", "non-reentrant") for config in CONFIGS
-            if mode == "reentrant" or not config.startswith("seed") for n in (warmup + a, warmup + b)]
+            if mode == "reentrant" or not config.startswith("seed") for n in (a, b)]
     for mode in ("reentrant", "non-reentrant"):
         check(mode)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # a process each
-        counts = dict(zip(jobs, pool.map(lambda job: count(*job), jobs)))
+        counts = dict(zip(jobs, pool.map(lambda job: count(job[0], job[1], warmup, job[2]), jobs)))
     for mode in ("reentrant", "non-reentrant"):
-        per_step = {config: (counts[config, m, warmup + b] - counts[config, m, warmup + a]) / (b - a)
+        per_step = {config: (counts[config, m, b] - counts[config, m, a]) / (b - a)
                     for config, m, _ in jobs if m == mode}
         for config, n in per_step.items():
             print(f"{mode}, {config}: {n:,.0f} instructions a step", flush=True)
@@ -162,4 +170,4 @@ def instructions_mode(shape, args, out):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--run"]:
-    run_steps(sys.argv[2], sys.argv[3], int(sys.argv[4]))
+    run_steps(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
