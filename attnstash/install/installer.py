@@ -3,7 +3,8 @@ rules (see the package's docstring)."""
 from .. import budget, ops
 from ..errors import InstallError
 from . import core, offload as offloading, routing, state, transformers_adapter
-from .layers import CHECKPOINT_FUNCTION, find_layers, layer_count
+from .found import CHECKPOINT_FUNCTION
+from .layers import find_layers, layer_count
 
 
 def install_attention_stash(model, num_layers=None, *, layers=None, filter_fn=None, max_bytes=None,

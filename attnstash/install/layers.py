@@ -8,8 +8,7 @@ import torch
 
 from ..errors import InstallError
 from . import diffusers_adapter, torch_adapter, transformers_adapter
-from .found import ATTR, CHECKPOINT_FUNCTION, MODULE_CALL, Found  # noqa: F401 (the names the installer's users read here)
-
+from .found import ATTR
 
 ADAPTERS = (transformers_adapter, diffusers_adapter, torch_adapter)  # asked in this order (layers=None)
 
@@ -95,8 +94,8 @@ class AttentionLayers(list):
 
 def attention_layers(model, layers=None, filter_fn=None):
     """[AttentionLayer(index, name, module)] of the layers install_attention_stash(model,
-    layers=layers, filter_fn=filter_fn) counts: those with attention (and, where it can be seen, checkpointed).
-    Printed, one line per layer: index, name, class, and for a stashed layer the attention
-    calls of its last training forward."""
-    return AttentionLayers(AttentionLayer(i, f.name, f.module) for i, f in enumerate(find_layers(model, layers, filter_fn))
-                           if f.stashable)
+    layers=layers, filter_fn=filter_fn) counts: those with attention (and, where it can be seen,
+    checkpointed). Printed, one line per layer: index, name, class, and for a stashed layer the
+    attention calls of its last training forward."""
+    found = find_layers(model, layers, filter_fn)
+    return AttentionLayers(AttentionLayer(i, f.name, f.module) for i, f in enumerate(found) if f.stashable)

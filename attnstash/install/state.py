@@ -34,7 +34,7 @@ def innermost_frame():
 
 
 def reached():
-    """This thread's {stash: checkpoint call} of the Runs it is inside (core.Run)."""
+    """This thread's {a stashed layer's slot base: first forwards its Runs started} (core.Run)."""
     return _tls.__dict__.setdefault("reached", {})
 
 
@@ -58,7 +58,8 @@ def sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
 
 
 def anchor_of(stash, args, kwargs, more_kwargs=None):
-    """A MODULE_CALL layer's anchor: its forward's first tensor argument (positional first)."""
+    """A stashed layer's input, what its forward anchors on: its first tensor argument
+    (positional first, then keyword, then `more_kwargs`, a checkpointed partial's keywords)."""
     for value in itertools.chain(args, kwargs.values(), (more_kwargs or {}).values()):
         if isinstance(value, torch.Tensor):
             return value

@@ -19,6 +19,7 @@ import attnstash
 import compile_cases  # noqa: F401 (puts the repository root, which holds benchmarks/, on sys.path)
 from benchmarks import models
 from benchmarks.__main__ import main as bench_main
+from helpers import nothing_installed
 
 ROOT = Path(__file__).resolve().parents[2]
 # 2 layers, hidden 32, 4 query / 2 KV heads of 8, micro-batch 2 x 64 tokens, fp32 on CPU.
@@ -35,11 +36,6 @@ def kept(batch, heads, seq, head_dim, out_bytes=4):
 
 PER_LAYER, PER_LAYER_BF16 = kept(B, H, S, D), kept(B, H, S, D, 2)
 LAYER_CONFIGS = ["reentrant", "reentrant + stash 1", "non-reentrant", "non-reentrant + stash 1", "SAC (non-reentrant)"]
-
-
-def nothing_installed():
-    from tiny_models import nothing_installed
-    return nothing_installed()
 
 
 def assert_stash_rows_exact(rows, per_layer):
@@ -354,10 +350,10 @@ def test_the_module_call_path_is_reached_as_a_module_call():
     """Host mode's two paths are what they claim: the decoder's layers through transformers' checkpoint
     function, the same layers in a plain Block as a module call."""
     from benchmarks.dit import Block, PlainDecoder
-    from attnstash.install import core, layers
+    from attnstash.install import core, found
     hf = models.build_model(models.make_shape("tiny", layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8))
     plain = PlainDecoder(hf)
-    for model, kwargs, reach in ((hf, {}, layers.CHECKPOINT_FUNCTION), (plain, {"layers": Block}, layers.MODULE_CALL)):
+    for model, kwargs, reach in ((hf, {}, found.CHECKPOINT_FUNCTION), (plain, {"layers": Block}, found.MODULE_CALL)):
         attnstash.install_attention_stash(model, **kwargs)
         try:
             stashed = [core.stash_of(m) for m in model.modules() if core.stash_of(m) is not None]
