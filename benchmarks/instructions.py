@@ -30,15 +30,21 @@ from pathlib import Path
 
 import torch
 
+import attnstash
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("attnstash-0", "attnstash-all", "seed-0", "seed-all")
 LAYERS = 4
 
 
+def configs(mode):
+    """The configurations measured under checkpointing `mode` (the seed's design: reentrant only)."""
+    return [c for c in CONFIGS if mode == "reentrant" or not c.startswith("seed")]
+
+
 def build(config, mode):
     """(model, step, undo) for one configuration: the stash as it says, checkpointing `mode`;
     undo() removes what it installed."""
-    import attnstash
     from .harness import decoy
     from .models import build_model, enable_checkpointing, make_shape, random_batch
     from .seed_design import SeedStash
@@ -79,14 +85,11 @@ def run_steps(config, mode, warmup, steps):
 def check(mode):
     """Loss and every gradient of each configuration bitwise the plain run's (one process)."""
     results = {}
-    for config in ("plain",) + CONFIGS:
-        if config.startswith("seed") and mode != "reentrant":
-            continue
+    for config in ["plain", *configs(mode)]:
         model, step, undo = build(config, mode)
         loss = step()
         undo()
         results[config] = (loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-        import attnstash
         assert attnstash.stash_stats()["records"] == 0, f"{config}: the stash holds records after a step"
     loss, grads = results.pop("plain")
     for config, (other_loss, other_grads) in results.items():
@@ -118,7 +121,7 @@ def timed(mode, rounds):
     stashed layers: it slows seed-0's calls, none of seed-all's), and seed-0's attention passes
     seed-all's wrapper too: both in the seed's favour."""
     torch.set_num_threads(1)
-    built = {c: build(c, mode) for c in CONFIGS if mode == "reentrant" or not c.startswith("seed")}
+    built = {c: build(c, mode) for c in configs(mode)}
     steps = {c: step for c, (_, step, _) in built.items()}
     times = {c: [] for c in steps}
     for _ in range(10):
@@ -140,8 +143,7 @@ def instructions_mode(shape, args, out):
     warmup, a, b = 3, 2, 22
     result = {"mode": "instructions", "layers": LAYERS, "steps": {"warmup": warmup, "a": a, "b": b},
               "per_step": {}, "per_stashed_layer": {}, "time_per_step_us": {}}
-    jobs = [(config, mode, n) for mode in ("reentrant", "non-reentrant") for config in CONFIGS
-            if mode == "reentrant" or not config.startswith("seed") for n in (a, b)]
+    jobs = [(config, mode, n) for mode in ("reentrant", "non-reentrant") for config in configs(mode) for n in (a, b)]
     for mode in ("reentrant", "non-reentrant"):
         check(mode)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # a process each
