@@ -147,6 +147,13 @@ def record_id(anchor, slot: int) -> int:
     return _ops.stash_record_id(anchor, slot)
 
 
+def new_token():
+    """A 0-dim CPU tensor that requires grad, to anchor one checkpoint call's forwards on in place
+    of the layer input; what is held under it is released as it is freed (torch_ops/records.h,
+    new_token)."""
+    return _ops._new_token()
+
+
 def release(record: int) -> bool:
     """Release one forward's reference of record `record` (an id); whether it was held."""
     return _ops.stash_release(record)

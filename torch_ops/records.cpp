@@ -1,6 +1,7 @@
 // records.cpp: the process-wide registry of kept attention, over the C core.
 #include "records.h"
 
+#include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
 #include <limits>
@@ -156,6 +157,20 @@ bool release(int64_t id) { return id > 0 && stash_release_id(registry(), static_
 
 void release_freed() {
   release_records_if([](const stash_record& r) { return payload_of(r).call.anchor_storage.expired(); });
+}
+
+at::Tensor new_token() {
+  auto free_token = [](void* cell) {
+    try {
+      const auto anchor = reinterpret_cast<uintptr_t>(cell);
+      release_records_if([anchor](const stash_record& r) { return r.key->anchor == anchor; });
+    } catch (...) {  // (a deleter must not throw; release_freed takes what is left)
+    }
+    delete static_cast<float*>(cell);
+  };
+  at::Tensor token = at::from_blob(new float(0.f), {}, free_token, at::TensorOptions().dtype(at::kFloat));
+  token.set_requires_grad(true);
+  return token;
 }
 
 std::vector<std::pair<int64_t, std::string>> release_stale(const stash_key& key) {

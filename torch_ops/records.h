@@ -132,6 +132,12 @@ bool release(int64_t id);
 // Release every record whose anchor storage has been freed. Called by both ops on entry.
 void release_freed();
 
+// A token: what a caller anchors one checkpoint call's forwards on in place of the layer input
+// (schemas.cpp, anchor): a 0-dim CPU float tensor that requires grad, whose memory, as it is
+// freed with the last reference to the token, releases every record still held under it (so
+// that they go with whatever holds the token, at once, not at the next op call).
+at::Tensor new_token();
+
 // Every record under this anchor pointer and slot whatever its version and shape, as
 // (version, shape) strings for a diagnosis, after releasing them (they can never be
 // matched again: versions only grow, shapes are fixed).

@@ -9,8 +9,8 @@
 // before either recompute, a forward that was bitwise the same). Where saved-tensor hooks
 // offload the checkpoint's inputs, the recompute gets a copy of the layer input instead: a
 // 0-dim tensor that the caller creates for one checkpoint call and holds until its recompute
-// (a token) identifies the forward then (the installer's core.Run does), and its storage,
-// freed with the caller's checkpoint, releases what is left.
+// (a token, _new_token below) identifies the forward then (the installer's core.Run does), and its
+// memory, freed with the caller's checkpoint, releases what is left under it.
 //
 // Kernels: sdpa_device.cpp (CPU, CUDA), sdpa_autograd.cpp (Autograd), sdpa_autocast.cpp
 // (AutocastCPU, AutocastCUDA); the stash ops below are plain functions (records.cpp).
@@ -96,6 +96,9 @@ TORCH_LIBRARY(attnstash, m) {
   // call: records.h, note_rng.
   m.def("_record_note_rng(int id, Tensor state) -> bool", &attnstash::records::note_rng);
   m.def("_record_noted_rng(Tensor anchor, int slot) -> Tensor?", &attnstash::records::noted_rng);
+  // A token (records.h, new_token): a 0-dim tensor to anchor one checkpoint call's forwards on,
+  // whose memory releases what is held under it as it is freed.
+  m.def("_new_token() -> Tensor", &attnstash::records::new_token);
   // Releases one forward's reference of record `id` (its graph was dropped without a
   // backward); whether it was held.
   m.def("stash_release(int id) -> bool", &attnstash::records::release);

@@ -79,13 +79,16 @@ class Frame:
     """One forward of a stashed layer on this thread: a first forward (which may keep) or a
     recompute (which replays). `limit`: the calls a recompute may route (its first forward's,
     where known). `rng`: the random state at the first forward's start, where the recompute's
-    must be checked (random_state.Rng)."""
-    __slots__ = ("stash", "anchor", "keep", "first", "calls", "limit", "rng", "kept", "mover", "moving", "moved")
+    must be checked (random_state.Rng). `owned`: the anchor is a token, which releases what is
+    kept under it as it is freed (ops.new_token); else the records a reentrant first forward
+    keeps are listed in `kept`, released if it is interrupted."""
+    __slots__ = ("stash", "anchor", "owned", "keep", "first", "calls", "limit", "rng", "kept", "mover", "moving",
+                 "moved")
 
-    def __init__(self, stash, anchor, keep, first, limit=None, rng=None, mover=None):
-        self.stash, self.anchor, self.keep, self.first = stash, anchor, keep, first
+    def __init__(self, stash, anchor, keep, first, limit=None, rng=None, mover=None, owned=False):
+        self.stash, self.anchor, self.owned, self.keep, self.first = stash, anchor, owned, keep, first
         self.calls, self.limit, self.rng = 0, limit, rng
-        self.kept = []  # records a reentrant first forward kept (for its graph to own)
+        self.kept = []
         self.mover, self.moving, self.moved = mover, [], None  # offload.py: its records, moved after it
 
     def attend(self, *args, **kwargs):
@@ -112,10 +115,10 @@ class Frame:
                 raise
             holder = dropout.holder(dropout_p) if dropout_p else ""
             raise (KeepError if self.first else ReplayError)(f"attnstash: {self.stash.name}: {e}{holder}") from e
-        reentrant = self.first and not torch.is_grad_enabled()
-        if reentrant or noted is not None or self.mover is not None:
+        listed = self.first and not self.owned and not torch.is_grad_enabled()  # a reentrant one's, on its input
+        if listed or noted is not None or self.mover is not None:
             record = ops.record_id(self.anchor, slot)
-            if record and reentrant:
+            if record and listed:
                 self.kept.append(record)
             if record and self.mover is not None:
                 self.moving.append(record)
@@ -134,7 +137,7 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token
     if state.in_backward():  # a recompute: it routes what its first forward routed
         keep = grad and limit != 0
         return Frame(stash, anchor if token is None else token, keep, first=False, limit=limit,
-                     rng=Rng.recompute(stash) if keep else None)
+                     rng=Rng.recompute(stash) if keep else None, owned=token is not None)
     hooks = state.saved_tensor_hooks_active()
     if grad and not hooks:
         raise CheckpointingError(
@@ -154,7 +157,8 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token
             "non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
     return Frame(stash, anchor if token is None else token, reachable, first=True,
                  rng=Rng.first(anchor.device, preserves) if reachable and preserves is not True else None,
-                 mover=offload.mover_for(stash, anchor, grad) if reachable and token is not None else None)
+                 mover=offload.mover_for(stash, anchor, grad) if reachable and token is not None else None,
+                 owned=token is not None)
 
 
 def close_frame(frame):
@@ -173,8 +177,10 @@ def run_in_frame(frame, fn, args, kwargs):
     try:
         out = fn(*args, **kwargs)
     except BaseException:
-        if frame.first:
-            release(frame.kept)  # an interrupted forward (an error, Ctrl-C) keeps nothing
+        if frame.first:  # an interrupted forward (an error, Ctrl-C) keeps nothing
+            release(frame.kept)
+            if frame.owned and not torch.is_grad_enabled():  # a reentrant one's, under a token that may outlive it
+                release(ops.record_id(frame.anchor, frame.stash.slot_base + k) for k in range(frame.calls))
         raise
     finally:
         frames.remove(frame)
@@ -187,7 +193,8 @@ def run_in_frame(frame, fn, args, kwargs):
 def release(records):
     for record in records:
         try:
-            ops.release(record)
+            if record:
+                ops.release(record)
         except Exception:  # interpreter shutdown: nothing left to release into
             pass
 
@@ -286,10 +293,8 @@ class CheckpointCall:
     def __call__(self, fn, *args, **kwargs):
         if torch.compiler.is_compiling():  # traced: compiled.py
             return compiled.checkpoint_call(self.checkpoint, fn, args, kwargs)
-        run = Run(self.stash, fn, torch.is_grad_enabled(), preserves_rng(self.checkpoint))
-        out = self.checkpoint(run, *args, **kwargs)
-        run.own(out)
-        return out
+        return self.checkpoint(Run(self.stash, fn, torch.is_grad_enabled(), preserves_rng(self.checkpoint)), *args,
+                               **kwargs)
 
 
 class Run(functools.partial):
@@ -297,14 +302,15 @@ class Run(functools.partial):
     recompute; both in a frame, and the recompute routes exactly the calls its first forward
     routed. A functools.partial of that forward (the same func, args and keywords), so that a
     checkpoint function that looks into what it is given finds the layer as it would without
-    the stash (LLaMA-Factory's: `func.func.__self__` when `isinstance(func, partial)`)."""
-    __slots__ = ("stash", "fn", "outer_grad", "preserves", "routed", "kept", "token", "moved")
+    the stash (LLaMA-Factory's: `func.func.__self__` when `isinstance(func, partial)`). Whatever
+    holds it for the recompute (the checkpoint's graph) holds its token, and so what its first
+    forward kept: a graph dropped without a backward releases it."""
+    __slots__ = ("stash", "fn", "outer_grad", "preserves", "routed", "token", "moved")
 
     def __new__(cls, stash, fn, outer_grad, preserves):
         self = super().__new__(cls, fn)
         self.stash, self.fn, self.outer_grad, self.preserves = stash, fn, outer_grad, preserves
         self.routed = None  # attention calls the first forward routed (0: it kept nothing)
-        self.kept = []
         self.token = module_call.new_token()  # what the ops anchor on (Anchor, above)
         self.moved = None  # what offload.py moved off the device after the first forward
         return self
@@ -324,45 +330,8 @@ class Run(functools.partial):
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
         frame = open_frame(stash, anchor, self.outer_grad, preserves=self.preserves, token=self.token)
         out = run_in_frame(frame, self.fn, args, kwargs)
-        self.routed, self.kept, self.moved = (frame.calls if frame.keep else 0), frame.kept, frame.moved
+        self.routed, self.moved = (frame.calls if frame.keep else 0), frame.moved
         return out
-
-    def own(self, out):
-        """What a reentrant first forward kept is owned by its checkpoint's graph node: released
-        with it if no backward comes, at once if no backward can."""
-        if not self.kept:
-            return
-        tensor = next((t for t in _tensors(out) if t.requires_grad and t.grad_fn is not None), None)
-        if tensor is None:
-            release(self.kept)
-        else:
-            tensor.grad_fn.register_hook(_Owner(self.kept))
-        self.kept = []
-
-
-def _tensors(out):
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, (tuple, list)):
-        for item in out:
-            yield from _tensors(item)
-
-
-class _Owner:
-    """Owns the records of one reentrant first forward for the life of its checkpoint's graph
-    node: as a hook of that node it learns that its backward ran (its recompute took them);
-    destroyed with the node before that, it releases them."""
-    __slots__ = ("records", "done")
-
-    def __init__(self, records):
-        self.records, self.done = records, False
-
-    def __call__(self, grad_inputs, grad_outputs):
-        self.done = True
-
-    def __del__(self):
-        if not self.done:
-            release(self.records)
 
 
 # ---- install and uninstall -------------------------------------------------------------------------

@@ -25,8 +25,9 @@ _HELD = "attnstash_tokens"  # the key of the tokens a grad_fn holds, in its meta
 
 def new_token():
     """What the ops anchor on in place of a layer input: a 0-dim CPU tensor that requires grad
-    (torch_ops/keep_replay.h, Phase: hooks that offload never copy it)."""
-    return torch.zeros((), device="cpu", requires_grad=True)
+    (torch_ops/keep_replay.h, Phase: hooks that offload never copy it), which releases what is
+    held under it as it is freed (ops.new_token)."""
+    return ops.new_token()
 
 
 class Pending:
