@@ -115,6 +115,25 @@ def test_a_dropped_non_reentrant_forward_is_released_with_its_graph_while_its_an
     assert attnstash.stash_stats()["records"] == 0  # x, the anchor, is still held here
 
 
+def test_a_token_releases_what_is_held_under_it_as_it_is_freed():
+    """ops.new_token: a 0-dim CPU tensor that requires grad; freeing it releases its records at
+    once (held_ids releases nothing itself), other anchors' records untouched."""
+    q, k, v = qkv(torch.float32, 4, 4, 16)
+    token, other = ops.new_token(), anchor_for(q)
+    assert token.dim() == 0 and token.device.type == "cpu" and token.requires_grad and token.is_leaf
+    released = attnstash.stash_stats()["released_unused"]
+    with torch.no_grad():
+        for slot in (3, 4):
+            ops.sdpa_fwd_keep(q, k, v, token, slot)
+        ops.sdpa_fwd_keep(q, k, v, other, 3)
+    kept_for_other = ops.record_id(other, 3)
+    assert len(ops.held_ids()) == 3
+    del token
+    assert ops.held_ids() == [kept_for_other]
+    assert attnstash.stash_stats()["released_unused"] == released + 2
+    ops.release(kept_for_other)
+
+
 def test_records_of_a_freed_anchor_are_released_by_the_next_call_or_stats_and_never_matched():
     torch.manual_seed(0)
     q, k, v = qkv(torch.float32, 4, 4, 64)

@@ -91,6 +91,7 @@ def test_a_dropped_forward_is_released_as_soon_as_its_graph_is(mode, installed):
     assert attnstash.stash_stats()["records"] == 3
     del out
     gc.collect()
+    assert attnstash.ops.held_ids() == []  # released with the graph (held_ids releases nothing itself)
     stats = attnstash.stash_stats()
     assert stats["records"] == 0 and stats["bytes"] == 0  # no later forward was needed
     assert stats["released_unused"] == released + 3
