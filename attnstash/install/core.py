@@ -79,14 +79,16 @@ class Frame:
     """One forward of a stashed layer on this thread: a first forward (which may keep) or a
     recompute (which replays). `limit`: the calls a recompute may route (its first forward's,
     where known). `rng`: the random state at the first forward's start, where the recompute's
-    must be checked (random_state.Rng). `owned`: the anchor is a token, which releases what is
-    kept under it as it is freed (ops.new_token); else the records a reentrant first forward
+    must be checked (random_state.Rng). `token`: what it anchors on in place of the layer input
+    `anchor`, where one is held (Run.token); the frame is then `owned`: the token releases what
+    is kept under it as it is freed (ops.new_token). Else the records a reentrant first forward
     keeps are listed in `kept`, released if it is interrupted."""
     __slots__ = ("stash", "anchor", "owned", "keep", "first", "calls", "limit", "rng", "kept", "mover", "moving",
                  "moved")
 
-    def __init__(self, stash, anchor, keep, first, limit=None, rng=None, mover=None, owned=False):
-        self.stash, self.anchor, self.owned, self.keep, self.first = stash, anchor, owned, keep, first
+    def __init__(self, stash, anchor, keep, first, limit=None, rng=None, mover=None, token=None):
+        self.stash, self.keep, self.first = stash, keep, first
+        self.anchor, self.owned = (anchor, False) if token is None else (token, True)
         self.calls, self.limit, self.rng = 0, limit, rng
         self.kept = []
         self.mover, self.moving, self.moved = mover, [], None  # offload.py: its records, moved after it
@@ -136,8 +138,8 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token
     grad = torch.is_grad_enabled()
     if state.in_backward():  # a recompute: it routes what its first forward routed
         keep = grad and limit != 0
-        return Frame(stash, anchor if token is None else token, keep, first=False, limit=limit,
-                     rng=Rng.recompute(stash) if keep else None, owned=token is not None)
+        return Frame(stash, anchor, keep, first=False, limit=limit, rng=Rng.recompute(stash) if keep else None,
+                     token=token)
     hooks = state.saved_tensor_hooks_active()
     if grad and not hooks:
         raise CheckpointingError(
@@ -155,10 +157,10 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token
             "it, and with no node before the checkpoint nothing can tie the recompute to its first forward for as "
             "long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), use "
             "non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
-    return Frame(stash, anchor if token is None else token, reachable, first=True,
+    return Frame(stash, anchor, reachable, first=True,
                  rng=Rng.first(anchor.device, preserves) if reachable and preserves is not True else None,
                  mover=offload.mover_for(stash, anchor, grad) if reachable and token is not None else None,
-                 owned=token is not None)
+                 token=token)
 
 
 def close_frame(frame):
