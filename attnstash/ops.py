@@ -68,6 +68,22 @@ def sdpa_replay(query, key, value, anchor, slot: int, attn_mask=None, dropout_p:
     return _ops.sdpa_replay(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
+def _entry(packet):
+    """An op's C++ entry, what its OpOverload calls (torch._ops.OpOverload.__call__ calls `_op`):
+    the installer's hot path calls it positionally, without the two Python frames of the packet
+    and the overload (a keyword argument costs the binding more than a positional one). Where a
+    torch release names it otherwise, the overload itself, which is the same call."""
+    overload = packet.default
+    return getattr(overload, "_op", overload)
+
+
+KEEP = _entry(_ops.sdpa_fwd_keep)
+"""sdpa_fwd_keep's entry, called positionally: (query, key, value, anchor, slot, attn_mask,
+dropout_p, is_causal, scale, enable_gqa)."""
+NEW_TOKEN = _entry(_ops._new_token)
+"""_new_token's entry (new_token below)."""
+
+
 _offload_waits = [0]
 OFFLOAD_WAITS = "recomputes whose records attnstash's offload had not fetched back ahead (install/offload.py)"
 
@@ -151,7 +167,7 @@ def new_token():
     """A 0-dim CPU tensor that requires grad, to anchor one checkpoint call's forwards on in place
     of the layer input; what is held under it is released as it is freed (torch_ops/records.h,
     new_token)."""
-    return _ops._new_token()
+    return NEW_TOKEN()
 
 
 def release(record: int) -> bool:

@@ -49,7 +49,7 @@ class LayerStash:
     reached, its class's forward, its slots, and the attention calls of its last first forward that kept (None
     before one; attention_layers prints it)."""
     __slots__ = ("index", "name", "reach", "slot_base", "calls", "forward", "kind", "pending", "offload",
-                 "rng_noted", "__weakref__")
+                 "rng_noted", "checkpoint_call", "__weakref__")
 
     def __init__(self, index, name, reach, forward=None, kind="", offload=None):
         self.index, self.name, self.reach, self.calls, self.kind = index, name, reach, None, kind  # kind: class name
@@ -57,6 +57,7 @@ class LayerStash:
         self.offload = offload  # the install's offload.Own, or None
         self.rng_noted = False  # a first forward noted a random state for its recompute to check (random_state.py)
         self.forward = forward  # the layer class's forward function (what torch.compile traces: compiled.py)
+        self.checkpoint_call = None  # its CheckpointCall, for the checkpoint function it last read (stand_in)
         self.slot_base = state.new_slot_base()
         state.live.add(self)
 
@@ -100,7 +101,7 @@ class Frame:
             raise TypeError(f"attnstash: {self.stash.name}: {e} (attnstash routes F.scaled_dot_product_attention "
                             f"as torch {torch.__version__} defines it)") from None
         index = self.calls
-        self.calls += 1
+        self.calls = index + 1
         if self.limit is not None and index >= self.limit:
             raise CheckpointingError(
                 f"attnstash: {self.stash.name}: its recompute calls attention more often than its first forward did "
@@ -109,7 +110,7 @@ class Frame:
         slot = self.stash.slot_base + index
         noted = self.rng.before_call(self, slot, q.device) if self.rng is not None else None
         try:
-            out = ops.sdpa_fwd_keep(q, k, v, self.anchor, slot, mask, dropout_p, is_causal, scale, gqa)
+            out = ops.KEEP(q, k, v, self.anchor, slot, mask, dropout_p, is_causal, scale, gqa)
         except StashError:
             raise
         except RuntimeError as e:
@@ -129,17 +130,17 @@ class Frame:
         return out
 
 
-def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token=None):
-    """The frame of one forward of a stashed layer, by the phase it runs in. `outer_grad`: the
+def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=None, token=None):
+    """The frame of one forward of a stashed layer, by the phase it runs in (`backward`: whether
+    it runs inside a backward pass, state.in_backward()). `outer_grad`: the
     grad mode of the call outside its checkpoint; `limit`: for a recompute, how many attention
     calls its first forward routed; `preserves`: whether its checkpoint restores the random
     state for the recompute (preserves_rng). None: cannot be seen. `token`: what the ops anchor
     on in place of the layer input `anchor`, where a Run holds one (Run.token)."""
     grad = torch.is_grad_enabled()
-    if state.in_backward():  # a recompute: it routes what its first forward routed
+    if backward:  # a recompute: it routes what its first forward routed
         keep = grad and limit != 0
-        return Frame(stash, anchor, keep, first=False, limit=limit, rng=Rng.recompute(stash) if keep else None,
-                     token=token)
+        return Frame(stash, anchor, keep, False, limit, Rng.recompute(stash) if keep else None, None, token)
     hooks = state.saved_tensor_hooks_active()
     if grad and not hooks:
         raise CheckpointingError(
@@ -157,16 +158,15 @@ def open_frame(stash, anchor, outer_grad=None, limit=None, preserves=None, token
             "it, and with no node before the checkpoint nothing can tie the recompute to its first forward for as "
             "long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), use "
             "non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
-    return Frame(stash, anchor, reachable, first=True,
-                 rng=Rng.first(anchor.device, preserves) if reachable and preserves is not True else None,
-                 mover=offload.mover_for(stash, anchor, grad) if reachable and token is not None else None,
-                 token=token)
+    return Frame(stash, anchor, reachable, True, None,  # (stash, anchor, keep, first, limit, rng, mover, token)
+                 Rng.first(anchor.device, preserves) if reachable and preserves is not True else None,
+                 offload.mover_for(stash, anchor, grad) if reachable and token is not None and
+                 (hooks or stash.offload is not None) else None,
+                 token)
 
 
 def close_frame(frame):
-    """After a first forward that keeps: it must have called attention."""
-    if not (frame.first and frame.keep):
-        return
+    """After a first forward that keeps (run_in_frame): it must have called attention."""
     frame.stash.calls = frame.calls
     if frame.calls == 0 and not compiled.calls_the_ops(frame.stash.kind):
         release(frame.kept)
@@ -186,7 +186,8 @@ def run_in_frame(frame, fn, args, kwargs):
         raise
     finally:
         frames.remove(frame)
-    close_frame(frame)
+    if frame.first and frame.keep:
+        close_frame(frame)
     if frame.moving:
         frame.moved = offload.move_out(frame.mover, frame.moving)
     return out
@@ -217,39 +218,46 @@ def stashed_forward(layer, *args, **kwargs):
     if torch.compiler.is_compiling():  # traced: compiled.py
         return compiled.layer_forward(layer, previous, args, kwargs)
     forward = previous if previous is not None else type(layer).forward.__get__(layer)
-    return _eager_forward(layer, forward, args, kwargs)
+    if state.dynamo_callback() is None:  # plain eager: nothing for torch.compiler.disable to turn off
+        return _eager_forward(layer, forward, args, kwargs)
+    return _eager_forward_undynamoed(layer, forward, args, kwargs)
 
 
-@torch.compiler.disable
 def _eager_forward(layer, forward, args, kwargs):
     stash = layer.__dict__.get(ATTR)
     if stash is None or state.active(stash):  # not stashed, or inside its Run (which has the frame)
         return forward(*args, **kwargs)
+    backward = state.in_backward()
     if stash.reach is CHECKPOINT_FUNCTION and layer.training:
         if getattr(layer, "gradient_checkpointing", False):
-            return _reached_by_checkpoint_function(stash, layer, forward, args, kwargs)
-        if torch.is_grad_enabled() and not state.in_backward() and not state.saved_tensor_hooks_active():
+            return _reached_by_checkpoint_function(stash, layer, forward, args, kwargs, backward)
+        if torch.is_grad_enabled() and not backward and not state.saved_tensor_hooks_active():
             raise compiled.checkpointing_off(stash)
     # Eval and generation: untouched; a recompute follows its first forward, whatever the
     # training flag says by then.
-    backward = state.in_backward()
     if not layer.training and not backward:
         return forward(*args, **kwargs)
     anchor = state.anchor_of(stash, args, kwargs)
     entry = module_call.pending_for(stash, anchor, backward, state.saved_tensor_hooks_active)
-    frame = open_frame(stash, anchor, token=entry and entry.token)
+    frame = open_frame(stash, anchor, backward, token=entry and entry.token)
     out = run_in_frame(frame, forward, args, kwargs)
     if frame.moved is not None:
         entry.moved = frame.moved  # (a first forward: its entry holds what offload.py moved)
     return out
 
 
-def _reached_by_checkpoint_function(stash, layer, forward, args, kwargs):
+# Where a torch.compile'd caller runs a stashed layer eagerly (a graph break, a skipped frame),
+# dynamo's frame callback is set: the eager forward then runs with it turned off, as compile
+# must not trace the stash's bookkeeping.
+_eager_forward_undynamoed = torch.compiler.disable(_eager_forward)
+
+
+def _reached_by_checkpoint_function(stash, layer, forward, args, kwargs, backward):
     """A forward of a layer that its own checkpoint function checkpoints, seen from outside that
     function (no Run of it is active): its frames come from its Run, which a training forward
     must reach. A reentrant first forward runs without grad, where this cannot be told from a
     no-grad forward; its recompute, which runs in backward with grad and without a Run, can."""
-    if state.in_backward() and torch.is_grad_enabled():
+    if backward and torch.is_grad_enabled():
         raise _unreached(stash, layer, "its recompute ran")
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
@@ -280,23 +288,29 @@ def stand_in(layer, checkpoint):
     """What a layer reads as its checkpoint function (transformers_adapter.patch): a
     CheckpointCall for a stashed layer, the function itself for any other."""
     stash = layer.__dict__.get(ATTR)
-    return checkpoint if stash is None else CheckpointCall(stash, checkpoint)
+    if stash is None:
+        return checkpoint
+    if torch.compiler.is_compiling():  # traced (compiled.py): dynamo follows a new one, not one kept from eager
+        return CheckpointCall(stash, checkpoint)
+    call = stash.checkpoint_call
+    if call is None or call.checkpoint is not checkpoint:  # in eager, one per layer and checkpoint function
+        call = stash.checkpoint_call = CheckpointCall(stash, checkpoint)
+    return call
 
 
 class CheckpointCall:
     """Stands in for a CHECKPOINT_FUNCTION layer's checkpoint function: calls it with a Run of
     the layer's forward, from outside the checkpoint, where the grad mode of the call and the
-    graph of its output can be seen."""
-    __slots__ = ("stash", "checkpoint")
+    graph of its output can be seen. `preserves`: preserves_rng of the function."""
+    __slots__ = ("stash", "checkpoint", "preserves")
 
     def __init__(self, stash, checkpoint):
-        self.stash, self.checkpoint = stash, checkpoint
+        self.stash, self.checkpoint, self.preserves = stash, checkpoint, preserves_rng(checkpoint)
 
     def __call__(self, fn, *args, **kwargs):
         if torch.compiler.is_compiling():  # traced: compiled.py
             return compiled.checkpoint_call(self.checkpoint, fn, args, kwargs)
-        return self.checkpoint(Run(self.stash, fn, torch.is_grad_enabled(), preserves_rng(self.checkpoint)), *args,
-                               **kwargs)
+        return self.checkpoint(Run(self.stash, fn, torch.is_grad_enabled(), self.preserves), *args, **kwargs)
 
 
 class Run(functools.partial):
@@ -310,10 +324,10 @@ class Run(functools.partial):
     __slots__ = ("stash", "fn", "outer_grad", "preserves", "routed", "token", "moved")
 
     def __new__(cls, stash, fn, outer_grad, preserves):
-        self = super().__new__(cls, fn)
+        self = functools.partial.__new__(cls, fn)
         self.stash, self.fn, self.outer_grad, self.preserves = stash, fn, outer_grad, preserves
         self.routed = None  # attention calls the first forward routed (0: it kept nothing)
-        self.token = module_call.new_token()  # what the ops anchor on (Anchor, above)
+        self.token = ops.NEW_TOKEN()  # what the ops anchor on (Anchor, above): ops.new_token
         self.moved = None  # what offload.py moved off the device after the first forward
         return self
 
@@ -322,15 +336,18 @@ class Run(functools.partial):
 
     def __call__(self, *args, **kwargs):
         stash = self.stash
-        anchor = state.anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None))
         if state.in_backward():
             if self.moved is not None:
                 self.moved.fetch()
-            return run_in_frame(open_frame(stash, anchor, limit=self.routed if self.routed is not None else 0,
+            return run_in_frame(open_frame(stash, None, True, limit=self.routed if self.routed is not None else 0,
                                            token=self.token), self.fn, args, kwargs)
         reached = state.reached()
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
-        frame = open_frame(stash, anchor, self.outer_grad, preserves=self.preserves, token=self.token)
+        # The layer input, where the first forward reads it (open_frame): its device for the random state, and the
+        # layer's own offload; the ops anchor on the token.
+        anchor = state.anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None)) \
+            if self.preserves is not True or stash.offload is not None else None
+        frame = open_frame(stash, anchor, False, self.outer_grad, preserves=self.preserves, token=self.token)
         out = run_in_frame(frame, self.fn, args, kwargs)
         self.routed, self.moved = (frame.calls if frame.keep else 0), frame.moved
         return out

@@ -40,15 +40,33 @@ def reached():
 
 def active(stash):
     """Whether this thread runs a frame of `stash`."""
-    return any(frame.stash is stash for frame in getattr(_tls, "frames", ()))
+    for frame in getattr(_tls, "frames", ()):
+        if frame.stash is stash:
+            return True
+    return False
+
+
+_graph_task_id = torch._C._current_graph_task_id
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def in_backward():
-    return torch._C._current_graph_task_id() != -1
+    return _graph_task_id() != -1
 
 
 def saved_tensor_hooks_active():
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+    return _top_hooks(False) is not None
+
+
+def _callback_unknown():
+    return True
+
+
+dynamo_callback = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback",
+                          _callback_unknown)
+"""dynamo's frame callback: None in plain eager, set where a torch.compile'd caller runs code
+eagerly (core.stashed_forward turns it off there); taken as set where a torch release does not
+say."""
 
 
 def sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,

@@ -118,3 +118,26 @@ def test_a_compiled_checkpointed_block_under_autocast_trains_like_eager_fsdpa(ba
     plain_loss, plain_grads = run(False, backend)
     assert torch.equal(stash_loss, plain_loss)
     assert all(torch.equal(a, b) for a, b in zip(stash_grads, plain_grads))
+
+
+def test_the_eager_forward_reads_where_dynamo_would_trace_it():
+    """core.stashed_forward skips torch.compiler.disable's cost in plain eager and keeps it wherever
+    dynamo's frame callback is set (a compiled caller running code eagerly): state.dynamo_callback
+    must say which, on this torch (a release without it would pay disable's cost on every call)."""
+    from attnstash.install import state
+    assert state.dynamo_callback is not state._callback_unknown
+    assert state.dynamo_callback() is None
+    seen = []
+
+    @torch.compile(backend="eager")
+    def caller(x):
+        seen.append(state.dynamo_callback())  # not traceable: run eagerly, under the compiled caller's callback
+        return x + 1
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        caller(torch.ones(2))
+    torch._dynamo.reset()
+    assert seen and seen[0] is not None
+    assert state.dynamo_callback() is None
