@@ -136,7 +136,10 @@ def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=N
     grad mode of the call outside its checkpoint; `limit`: for a recompute, how many attention
     calls its first forward routed; `preserves`: whether its checkpoint restores the random
     state for the recompute (preserves_rng). None: cannot be seen. `token`: what the ops anchor
-    on in place of the layer input `anchor`, where a Run holds one (Run.token)."""
+    on in place of the layer input `anchor`, where a Run holds one (Run.token). With a token,
+    `anchor` is read only by a first forward whose `preserves` is not True (the random state's
+    device) or whose layer has its own offload (offload.mover_for), and may be None otherwise
+    (Run.__call__ reads it only then)."""
     grad = torch.is_grad_enabled()
     if backward:  # a recompute: it routes what its first forward routed
         keep = grad and limit != 0
@@ -343,8 +346,7 @@ class Run(functools.partial):
                                            token=self.token), self.fn, args, kwargs)
         reached = state.reached()
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
-        # The layer input, where the first forward reads it (open_frame): its device for the random state, and the
-        # layer's own offload; the ops anchor on the token.
+        # The layer input, only where the first forward reads it (open_frame says when); the ops anchor on the token.
         anchor = state.anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None)) \
             if self.preserves is not True or stash.offload is not None else None
         frame = open_frame(stash, anchor, False, self.outer_grad, preserves=self.preserves, token=self.token)
