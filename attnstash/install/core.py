@@ -83,23 +83,15 @@ class Frame:
     must be checked (random_state.Rng). `token`: what it anchors on in place of the layer input
     `anchor`, where one is held (Run.token); the frame is then `owned`: the token releases what
     is kept under it as it is freed (ops.new_token). Else the records a reentrant first forward
-    keeps are listed in `kept`, released if it is interrupted."""
+    keeps are listed in `kept`, released if it is interrupted. `mover`, `moving`, `moved`:
+    offload.py's, for its records, moved after it. Built by open_frame alone."""
     __slots__ = ("stash", "anchor", "owned", "keep", "first", "calls", "limit", "rng", "kept", "mover", "moving",
                  "moved")
 
-    def __init__(self, stash, anchor, keep, first, limit=None, rng=None, mover=None, token=None):
-        self.stash, self.keep, self.first = stash, keep, first
-        self.anchor, self.owned = (anchor, False) if token is None else (token, True)
-        self.calls, self.limit, self.rng = 0, limit, rng
-        self.kept = []
-        self.mover, self.moving, self.moved = mover, [], None  # offload.py: its records, moved after it
-
-    def attend(self, *args, **kwargs):
-        try:
-            q, k, v, mask, dropout_p, is_causal, scale, gqa = state.sdpa_arguments(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"attnstash: {self.stash.name}: {e} (attnstash routes F.scaled_dot_product_attention "
-                            f"as torch {torch.__version__} defines it)") from None
+    def attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+               enable_gqa=False):
+        """One F.scaled_dot_product_attention call in this frame (routing.route), its arguments
+        those of state.sdpa_arguments (test_any_model checks that the two agree)."""
         index = self.calls
         self.calls = index + 1
         if self.limit is not None and index >= self.limit:
@@ -108,9 +100,9 @@ class Frame:
                 f"({self.limit} times): the recompute does not repeat the first forward, so the kept outputs cannot "
                 "stand in for its attention. Do not stash this layer.")
         slot = self.stash.slot_base + index
-        noted = self.rng.before_call(self, slot, q.device) if self.rng is not None else None
+        noted = self.rng.before_call(self, slot, query.device) if self.rng is not None else None
         try:
-            out = ops.KEEP(q, k, v, self.anchor, slot, mask, dropout_p, is_causal, scale, gqa)
+            out = ops.KEEP(query, key, value, self.anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         except StashError:
             raise
         except RuntimeError as e:
@@ -129,6 +121,16 @@ class Frame:
                 Rng.note(self.stash, record, noted)
         return out
 
+    def bad_arguments(self, error):
+        """The error for a call whose arguments F.scaled_dot_product_attention does not take
+        (routing.route: `error` is attend's binding's)."""
+        message = str(error).replace("Frame.attend()", "scaled_dot_product_attention()")
+        return TypeError(f"attnstash: {self.stash.name}: {message} (attnstash routes F.scaled_dot_product_attention "
+                         f"as torch {torch.__version__} defines it)")
+
+
+_new_frame = object.__new__
+
 
 def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=None, token=None):
     """The frame of one forward of a stashed layer, by the phase it runs in (`backward`: whether
@@ -143,29 +145,34 @@ def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=N
     grad = torch.is_grad_enabled()
     if backward:  # a recompute: it routes what its first forward routed
         keep = grad and limit != 0
-        return Frame(stash, anchor, keep, False, limit, Rng.recompute(stash) if keep else None, None, token)
-    hooks = state.saved_tensor_hooks_active()
-    if grad and not hooks:
-        raise CheckpointingError(
-            f"attnstash: {stash.name} is stashed, but its training forward runs outside any activation checkpoint "
-            "(grad mode on, outside backward, no checkpoint's saved-tensor hooks), so there is no recompute to save "
-            "and the stash could only cost memory. Checkpoint this layer (reentrant or not), or do not stash it.")
-    # Grad off: a reentrant checkpoint's first forward, or a forward under no_grad that no
-    # backward can reach; the call outside the checkpoint tells them apart, where it is seen.
-    reachable = grad or outer_grad is None or outer_grad
-    if not grad and hooks and reachable and token is None and anchor.requires_grad:
-        raise CheckpointingError(
-            f"attnstash: {stash.name} runs a reentrant checkpoint under saved-tensor hooks (offloaded "
-            "checkpointing: torch.autograd.graph.save_on_cpu, or an offloading context), and its input is a leaf "
-            "tensor that requires grad (no op before the checkpoint): the hooks may give the recompute a copy of "
-            "it, and with no node before the checkpoint nothing can tie the recompute to its first forward for as "
-            "long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), use "
-            "non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
-    return Frame(stash, anchor, reachable, True, None,  # (stash, anchor, keep, first, limit, rng, mover, token)
-                 Rng.first(anchor.device, preserves) if reachable and preserves is not True else None,
-                 offload.mover_for(stash, anchor, grad) if reachable and token is not None and
-                 (hooks or stash.offload is not None) else None,
-                 token)
+        first, rng, mover = False, Rng.recompute() if keep and stash.rng_noted else None, None
+    else:
+        hooks = state.saved_tensor_hooks_active()
+        if grad and not hooks:
+            raise CheckpointingError(
+                f"attnstash: {stash.name} is stashed, but its training forward runs outside any activation "
+                "checkpoint (grad mode on, outside backward, no checkpoint's saved-tensor hooks), so there is no "
+                "recompute to save and the stash could only cost memory. Checkpoint this layer (reentrant or not), "
+                "or do not stash it.")
+        # Grad off: a reentrant checkpoint's first forward, or a forward under no_grad that no
+        # backward can reach; the call outside the checkpoint tells them apart, where it is seen.
+        keep = reachable = grad or outer_grad is None or outer_grad
+        if not grad and hooks and reachable and token is None and anchor.requires_grad:
+            raise CheckpointingError(
+                f"attnstash: {stash.name} runs a reentrant checkpoint under saved-tensor hooks (offloaded "
+                "checkpointing: torch.autograd.graph.save_on_cpu, or an offloading context), and its input is a "
+                "leaf tensor that requires grad (no op before the checkpoint): the hooks may give the recompute a "
+                "copy of it, and with no node before the checkpoint nothing can tie the recompute to its first "
+                "forward for as long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), "
+                "use non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
+        first, rng = True, Rng.first(anchor.device, preserves) if reachable and preserves is not True else None
+        mover = offload.mover_for(stash, anchor, grad) if reachable and token is not None and \
+            (hooks or stash.offload is not None) else None
+    frame = _new_frame(Frame)  # (no __init__: a Python call less per forward)
+    frame.stash, frame.keep, frame.first, frame.calls, frame.limit, frame.rng = stash, keep, first, 0, limit, rng
+    frame.anchor, frame.owned = (anchor, False) if token is None else (token, True)
+    frame.kept, frame.mover, frame.moving, frame.moved = [], mover, [], None
+    return frame
 
 
 def close_frame(frame):
@@ -177,7 +184,7 @@ def close_frame(frame):
 
 
 def run_in_frame(frame, fn, args, kwargs):
-    frames = state.frames()
+    frames = state.thread.frames
     frames.append(frame)
     try:
         out = fn(*args, **kwargs)
@@ -233,7 +240,19 @@ def _eager_forward(layer, forward, args, kwargs):
     backward = state.in_backward()
     if stash.reach is CHECKPOINT_FUNCTION and layer.training:
         if getattr(layer, "gradient_checkpointing", False):
-            return _reached_by_checkpoint_function(stash, layer, forward, args, kwargs, backward)
+            # Its frames come from its Run, which a training forward must reach. A reentrant
+            # first forward runs without grad, where this cannot be told from a no-grad forward;
+            # its recompute, which runs in backward with grad and without a Run, can.
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            if backward:
+                raise _unreached(stash, layer, "its recompute ran")
+            reached = state.thread.reached
+            before = reached.get(stash.slot_base, 0)
+            out = forward(*args, **kwargs)
+            if reached.get(stash.slot_base, 0) == before:
+                raise _unreached(stash, layer, "its training forward ran")
+            return out
         if torch.is_grad_enabled() and not backward and not state.saved_tensor_hooks_active():
             raise compiled.checkpointing_off(stash)
     # Eval and generation: untouched; a recompute follows its first forward, whatever the
@@ -255,24 +274,9 @@ def _eager_forward(layer, forward, args, kwargs):
 _eager_forward_undynamoed = torch.compiler.disable(_eager_forward)
 
 
-def _reached_by_checkpoint_function(stash, layer, forward, args, kwargs, backward):
-    """A forward of a layer that its own checkpoint function checkpoints, seen from outside that
-    function (no Run of it is active): its frames come from its Run, which a training forward
-    must reach. A reentrant first forward runs without grad, where this cannot be told from a
-    no-grad forward; its recompute, which runs in backward with grad and without a Run, can."""
-    if backward and torch.is_grad_enabled():
-        raise _unreached(stash, layer, "its recompute ran")
-    if not torch.is_grad_enabled():
-        return forward(*args, **kwargs)
-    reached = state.reached()
-    before = reached.get(stash.slot_base, 0)
-    out = forward(*args, **kwargs)
-    if reached.get(stash.slot_base, 0) == before:
-        raise _unreached(stash, layer, "its training forward ran")
-    return out
-
-
 def _unreached(stash, layer, what):
+    """A forward of a layer that its own checkpoint function checkpoints, seen from outside that
+    function (no Run of it is active), that did not reach it (_eager_forward)."""
     return CheckpointingError(
         f"attnstash: {stash.name}: {what} with gradient_checkpointing on, but without calling its checkpoint "
         f"function ({type(layer).__name__}._gradient_checkpointing_func), which is where attnstash reaches the "
@@ -294,24 +298,26 @@ def stand_in(layer, checkpoint):
     if stash is None:
         return checkpoint
     if torch.compiler.is_compiling():  # traced (compiled.py): dynamo follows a new one, not one kept from eager
-        return CheckpointCall(stash, checkpoint)
+        return CheckpointCall(stash, checkpoint, True)
     call = stash.checkpoint_call
     if call is None or call.checkpoint is not checkpoint:  # in eager, one per layer and checkpoint function
-        call = stash.checkpoint_call = CheckpointCall(stash, checkpoint)
+        call = stash.checkpoint_call = CheckpointCall(stash, checkpoint, False)
     return call
 
 
 class CheckpointCall:
     """Stands in for a CHECKPOINT_FUNCTION layer's checkpoint function: calls it with a Run of
     the layer's forward, from outside the checkpoint, where the grad mode of the call and the
-    graph of its output can be seen. `preserves`: preserves_rng of the function."""
-    __slots__ = ("stash", "checkpoint", "preserves")
+    graph of its output can be seen. `preserves`: preserves_rng of the function. `traced`: made
+    while torch.compile traces (stand_in), where it is called in the same trace (a layer reads
+    its checkpoint function as it calls it)."""
+    __slots__ = ("stash", "checkpoint", "preserves", "traced")
 
-    def __init__(self, stash, checkpoint):
-        self.stash, self.checkpoint, self.preserves = stash, checkpoint, preserves_rng(checkpoint)
+    def __init__(self, stash, checkpoint, traced):
+        self.stash, self.checkpoint, self.preserves, self.traced = stash, checkpoint, preserves_rng(checkpoint), traced
 
     def __call__(self, fn, *args, **kwargs):
-        if torch.compiler.is_compiling():  # traced: compiled.py
+        if self.traced:  # compiled.py
             return compiled.checkpoint_call(self.checkpoint, fn, args, kwargs)
         return self.checkpoint(Run(self.stash, fn, torch.is_grad_enabled(), self.preserves), *args, **kwargs)
 
@@ -344,7 +350,7 @@ class Run(functools.partial):
                 self.moved.fetch()
             return run_in_frame(open_frame(stash, None, True, limit=self.routed if self.routed is not None else 0,
                                            token=self.token), self.fn, args, kwargs)
-        reached = state.reached()
+        reached = state.thread.reached
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
         # The layer input, only where the first forward reads it (open_frame says when); the ops anchor on the token.
         anchor = state.anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None)) \

@@ -30,8 +30,10 @@ class Rng:
         return cls(_rng_state(device), refuse=preserves is False)
 
     @classmethod
-    def recompute(cls, stash):
-        return cls(None) if stash.rng_noted else None
+    def recompute(cls):
+        """A recompute's check, for a layer whose first forwards noted a state (LayerStash.rng_noted:
+        core.open_frame asks only then)."""
+        return cls(None)
 
     def before_call(self, frame, slot, device):
         """A first forward's: the state to note for this call (None: nothing drawn since its

@@ -20,10 +20,16 @@ def route(*args, **kwargs):
     slot; while torch.compile traces, what compiled.attend says; anywhere else torch's own function."""
     if torch.compiler.is_compiling():
         return compiled.attend(_SDPA, args, kwargs)
-    frame = state.innermost_frame()
-    if frame is None or not frame.keep:
+    frames = state.thread.frames
+    if not frames or not frames[-1].keep:
         return _SDPA(*args, **kwargs)
-    return frame.attend(*args, **kwargs)
+    frame = frames[-1]
+    try:
+        return frame.attend(*args, **kwargs)
+    except TypeError as e:
+        if e.__traceback__.tb_next is not None:  # raised inside attend, not by binding its arguments
+            raise
+        raise frame.bad_arguments(e) from None
 
 
 def patch():

@@ -14,7 +14,18 @@ SLOT_BITS = 16  # a layer's slots: base + call index, for up to 2**16 calls per 
 lock = threading.RLock()  # installs, uninstalls, and the patch of F.scaled_dot_product_attention
 live = weakref.WeakSet()  # every core.LayerStash in use (deep copies of models included)
 _bases = itertools.count(1)
-_tls = threading.local()  # .frames: the frames this thread runs, innermost last; .reached: see core.Run
+
+
+class _Thread(threading.local):
+    """What one thread runs: `frames`, the frames of stashed layers' forwards (core.Frame),
+    innermost last; `reached`, {a stashed layer's slot base: first forwards its Runs started}
+    (core.Run). Read as attributes (`state.thread.frames`) on the installer's hot path."""
+
+    def __init__(self):
+        self.frames, self.reached = [], {}
+
+
+thread = _Thread()
 
 
 def new_slot_base():
@@ -22,25 +33,15 @@ def new_slot_base():
     return next(_bases) << SLOT_BITS
 
 
-def frames():
-    """This thread's frames (core.Frame), innermost last."""
-    return _tls.__dict__.setdefault("frames", [])  # (a threading.local's __dict__ is this thread's)
-
-
 def innermost_frame():
     """This thread's innermost frame, or None outside every stashed layer's forward."""
-    stack = getattr(_tls, "frames", None)
-    return stack[-1] if stack else None
-
-
-def reached():
-    """This thread's {a stashed layer's slot base: first forwards its Runs started} (core.Run)."""
-    return _tls.__dict__.setdefault("reached", {})
+    frames = thread.frames
+    return frames[-1] if frames else None
 
 
 def active(stash):
     """Whether this thread runs a frame of `stash`."""
-    for frame in getattr(_tls, "frames", ()):
+    for frame in thread.frames:
         if frame.stash is stash:
             return True
     return False

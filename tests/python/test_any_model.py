@@ -242,3 +242,42 @@ def test_a_bad_filter_fn_is_refused_with_what_was_expected(kwargs, words):
     with pytest.raises(attnstash.InstallError, match=words):
         attnstash.install_attention_stash(model, **kwargs)
     assert not any(hasattr(m, "_attnstash") for m in model.modules())
+
+
+def test_attention_arguments_torch_does_not_take_are_refused_by_their_name_inside_a_stashed_layer(installed,
+                                                                                                   monkeypatch):
+    import tiny_torch_models
+    # attn_bias: not an argument of F.scaled_dot_product_attention
+    monkeypatch.setitem(tiny_torch_models.ATTENTION_FUNCTIONS, "sdpa",
+                        lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_bias=None,
+                                                                                               **kw))
+    model = gpt(checkpointing="non-reentrant", block_class=TableBlock)
+    with pytest.raises(TypeError) as plain:  # torch's own error, outside any stashed layer
+        loss_and_grads(model, ids())
+    installed(model, layers=TableBlock)
+    with pytest.raises(TypeError, match=r"^attnstash: layer 0 \(blocks.0, TableBlock\): scaled_dot_product_attention\(\) "
+                                        r"got an unexpected keyword argument 'attn_bias' \(attnstash routes "
+                                        r"F.scaled_dot_product_attention as torch .* defines it\)$"):
+        loss_and_grads(model, ids())
+    assert "attnstash" not in str(plain.value)
+    assert attnstash.stash_stats()["records"] == 0
+
+
+def test_a_type_error_inside_a_routed_call_is_not_taken_for_one_of_its_arguments(installed, monkeypatch):
+    def keep(*args):
+        raise TypeError("raised inside the keep")
+
+    model = gpt(checkpointing="non-reentrant")
+    installed(model, layers=Block)
+    monkeypatch.setattr(attnstash.ops, "KEEP", keep)
+    with pytest.raises(TypeError, match="^raised inside the keep$"):
+        loss_and_grads(model, ids())
+    assert attnstash.stash_stats()["records"] == 0
+
+
+def test_the_routed_call_binds_its_arguments_as_the_one_statement_of_torch_s_signature():
+    import inspect
+    from attnstash.install import core, state
+    routed = list(inspect.signature(core.Frame.attend).parameters.values())[1:]  # less self
+    stated = list(inspect.signature(state.sdpa_arguments).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in routed] == [(p.name, p.kind, p.default) for p in stated]
