@@ -10,7 +10,9 @@ once for `warmup + a` and once for
 `warmup + b` steps, the collector's state frozen after the warm-up (run_steps): the difference
 over b - a steps is one step's instructions, start-up and warm-up cancelled. Per stashed layer: (the stash on every layer - on 0 layers) / layers, where
 "0 layers" is each design installed with nothing to keep (attnstash: its router in place, as a
-decoy model's install leaves it; the seed: its wrapper of the "sdpa" entry). Losses and gradients
+decoy model's install leaves it; the seed: its wrapper of the "sdpa" entry). The plain step (no
+install) is counted too: each configuration against it is what its install costs in all, the
+router's and the wrapper's passes on the path where nothing is kept included. Losses and gradients
 of every configuration are checked bitwise against the plain run's in one process first.
 
     python -m benchmarks --mode instructions            (about 15 minutes on 2 cores)
@@ -143,7 +145,8 @@ def instructions_mode(shape, args, out):
     warmup, a, b = 3, 2, 22
     result = {"mode": "instructions", "layers": LAYERS, "steps": {"warmup": warmup, "a": a, "b": b},
               "per_step": {}, "per_stashed_layer": {}, "time_per_step_us": {}}
-    jobs = [(config, mode, n) for mode in ("reentrant", "non-reentrant") for config in configs(mode) for n in (a, b)]
+    jobs = [(config, mode, n) for mode in ("reentrant", "non-reentrant") for config in ("plain", *configs(mode))
+            for n in (a, b)]
     for mode in ("reentrant", "non-reentrant"):
         check(mode)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # a process each
@@ -157,6 +160,9 @@ def instructions_mode(shape, args, out):
         result["per_stashed_layer"][mode] = {
             design: (per_step[f"{design}-all"] - per_step[f"{design}-0"]) / LAYERS
             for design in ("attnstash", "seed") if f"{design}-all" in per_step}
+        result.setdefault("against_plain", {})[mode] = {  # what each install costs where it keeps nothing, and in all
+            f"{design}-{layers}": per_step[f"{design}-{layers}"] - per_step["plain"]
+            for design in ("attnstash", "seed") for layers in ("0", "all") if f"{design}-all" in per_step}
         result["time_per_step_us"][mode] = timed(mode, args.repeats)
     print("\nper stashed layer and step (instructions; host time, us, from the interleaved medians):")
     for mode, designs in result["per_stashed_layer"].items():
@@ -164,6 +170,10 @@ def instructions_mode(shape, args, out):
         for design, n in designs.items():
             t = (us[f"{design}-all"] - us[f"{design}-0"]) / LAYERS
             print(f"  {mode:>13}, {design:>9}: {n:>12,.0f} instructions, {t:+8.1f} us")
+    print("\neach configuration against the plain step (no install), instructions a step:")
+    for mode, configs_ in result["against_plain"].items():
+        for config, n in configs_.items():
+            print(f"  {mode:>13}, {config:>13}: {n:>+12,.0f}")
     if out:
         out.mkdir(parents=True, exist_ok=True)
         (out / "instructions.json").write_text(json.dumps(result, indent=2))
