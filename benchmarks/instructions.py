@@ -15,7 +15,7 @@ install) is counted too: each configuration against it is what its install costs
 router's and the wrapper's passes on the path where nothing is kept included. Losses and gradients
 of every configuration are checked bitwise against the plain run's in one process first.
 
-    python -m benchmarks --mode instructions            (about 15 minutes on 2 cores)
+    python -m benchmarks --mode instructions            (about 26 minutes on 2 cores)
 """
 import concurrent.futures
 import functools
