@@ -121,10 +121,15 @@ class Frame:
                 Rng.note(self.stash, record, noted)
         return out
 
-    def bad_arguments(self, error):
+    def bad_arguments(self, error, args, kwargs):
         """The error for a call whose arguments F.scaled_dot_product_attention does not take
-        (routing.route: `error` is attend's binding's)."""
-        message = str(error).replace("Frame.attend()", "scaled_dot_product_attention()")
+        (routing.route: `error` is attend's binding's): as state.sdpa_arguments, which has no
+        `self` to count among the positional arguments, words it."""
+        try:
+            state.sdpa_arguments(*args, **kwargs)
+            message = str(error)
+        except TypeError as e:
+            message = str(e).replace("sdpa_arguments()", "scaled_dot_product_attention()")
         return TypeError(f"attnstash: {self.stash.name}: {message} (attnstash routes F.scaled_dot_product_attention "
                          f"as torch {torch.__version__} defines it)")
 

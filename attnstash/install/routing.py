@@ -29,7 +29,7 @@ def route(*args, **kwargs):
     except TypeError as e:
         if e.__traceback__.tb_next is not None:  # raised inside attend, not by binding its arguments
             raise
-        raise frame.bad_arguments(e) from None
+        raise frame.bad_arguments(e, args, kwargs) from None
 
 
 def patch():

@@ -263,6 +263,19 @@ def test_attention_arguments_torch_does_not_take_are_refused_by_their_name_insid
     assert attnstash.stash_stats()["records"] == 0
 
 
+def test_too_many_positional_attention_arguments_are_counted_as_torch_counts_them(installed, monkeypatch):
+    import tiny_torch_models
+    monkeypatch.setitem(tiny_torch_models.ATTENTION_FUNCTIONS, "sdpa",
+                        lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(q, k, v, None, 0.0,
+                                                                                               False, 0.5))
+    model = gpt(checkpointing="reentrant", block_class=TableBlock)
+    installed(model, layers=TableBlock)
+    with pytest.raises(TypeError, match=r"^attnstash: layer 0 \(blocks.0, TableBlock\): scaled_dot_product_attention\(\) "
+                                        r"takes from 3 to 6 positional arguments but 7 were given"):
+        loss_and_grads(model, ids())
+    assert attnstash.stash_stats()["records"] == 0
+
+
 def test_a_type_error_inside_a_routed_call_is_not_taken_for_one_of_its_arguments(installed, monkeypatch):
     def keep(*args):
         raise TypeError("raised inside the keep")
