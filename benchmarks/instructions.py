@@ -144,7 +144,7 @@ def instructions_mode(shape, args, out):
         raise SystemExit("benchmarks: --mode instructions needs valgrind (Debian: apt-get install valgrind)")
     warmup, a, b = 3, 2, 22
     result = {"mode": "instructions", "layers": LAYERS, "steps": {"warmup": warmup, "a": a, "b": b},
-              "per_step": {}, "per_stashed_layer": {}, "time_per_step_us": {}}
+              "per_step": {}, "per_stashed_layer": {}, "against_plain": {}, "time_per_step_us": {}}
     jobs = [(config, mode, n) for mode in ("reentrant", "non-reentrant") for config in ("plain", *configs(mode))
             for n in (a, b)]
     for mode in ("reentrant", "non-reentrant"):
@@ -160,7 +160,7 @@ def instructions_mode(shape, args, out):
         result["per_stashed_layer"][mode] = {
             design: (per_step[f"{design}-all"] - per_step[f"{design}-0"]) / LAYERS
             for design in ("attnstash", "seed") if f"{design}-all" in per_step}
-        result.setdefault("against_plain", {})[mode] = {  # what each install costs where it keeps nothing, and in all
+        result["against_plain"][mode] = {  # what each install costs where it keeps nothing, and in all
             f"{design}-{layers}": per_step[f"{design}-{layers}"] - per_step["plain"]
             for design in ("attnstash", "seed") for layers in ("0", "all") if f"{design}-all" in per_step}
         result["time_per_step_us"][mode] = timed(mode, args.repeats)
@@ -171,8 +171,8 @@ def instructions_mode(shape, args, out):
             t = (us[f"{design}-all"] - us[f"{design}-0"]) / LAYERS
             print(f"  {mode:>13}, {design:>9}: {n:>12,.0f} instructions, {t:+8.1f} us")
     print("\neach configuration against the plain step (no install), instructions a step:")
-    for mode, configs_ in result["against_plain"].items():
-        for config, n in configs_.items():
+    for mode, rows in result["against_plain"].items():
+        for config, n in rows.items():
             print(f"  {mode:>13}, {config:>13}: {n:>+12,.0f}")
     if out:
         out.mkdir(parents=True, exist_ok=True)

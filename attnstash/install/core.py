@@ -80,11 +80,12 @@ class Frame:
     """One forward of a stashed layer on this thread: a first forward (which may keep) or a
     recompute (which replays). `limit`: the calls a recompute may route (its first forward's,
     where known). `rng`: the random state at the first forward's start, where the recompute's
-    must be checked (random_state.Rng). `token`: what it anchors on in place of the layer input
-    `anchor`, where one is held (Run.token); the frame is then `owned`: the token releases what
-    is kept under it as it is freed (ops.new_token). Else the records a reentrant first forward
-    keeps are listed in `kept`, released if it is interrupted. `mover`, `moving`, `moved`:
-    offload.py's, for its records, moved after it. Built by open_frame alone."""
+    must be checked (random_state.Rng). `anchor`: what the ops anchor on: the token where one is
+    held (open_frame's `token`, Run.token), else the layer input; with a token the frame is
+    `owned`: the token releases what is kept under it as it is freed (ops.new_token). Else the
+    records a reentrant first forward keeps are listed in `kept`, released if it is interrupted.
+    `mover`, `moving`, `moved`: offload.py's, for its records, moved after it. Built by
+    open_frame alone."""
     __slots__ = ("stash", "anchor", "owned", "keep", "first", "calls", "limit", "rng", "kept", "mover", "moving",
                  "moved")
 
