@@ -1,9 +1,12 @@
 """The SDPA backends attnstash keeps, as Python sees them: one row each, keyed by torch's
-own torch.nn.attention.SDPBackend. The C++ side of each backend is one file in
-torch_ops/backends/ (its forward and backward calls); this table is everything Python
-needs of it: the fused forward and backward ops it calls (for the fake kernels that let
-torch.compile trace the ops, for selective activation checkpointing in the benchmark, and
-for the planner's kept-bytes prediction). Adding a backend: torch_ops/backends/README.md.
+own torch.nn.attention.SDPBackend. Each backend is one file in torch_ops/backends/, the one
+statement of its forward and backward calls; this table is read from the compiled one
+(torch.ops.attnstash.stash_kept_backends), and its forward and backward are those files'
+calls, made through attnstash::_backend_forward and _backend_backward: on fake tensors for
+the fake kernels that let torch.compile trace the ops, on meta tensors for the planner's kept
+bytes and the refusals of a backend's own. Where the compiled ops cannot load, the planner
+plans from attnstash/_unbuilt_backends.py's statement of the forwards (tests/python/
+test_package.py checks it against these). Adding a backend: torch_ops/backends/README.md.
 """
 import dataclasses
 from typing import Callable, Optional
@@ -11,106 +14,68 @@ from typing import Callable, Optional
 import torch
 from torch.nn.attention import SDPBackend
 
+from . import _library, _unbuilt_backends
+
 _aten = torch.ops.aten
+_ops = torch.ops.attnstash
 
 
 @dataclasses.dataclass(frozen=True)
 class KeptBackend:
-    """One kept backend.
-
-    forward(query, key, value, attn_mask, is_causal, scale) -> (output, logsumexp, extras):
-        the fused forward op the C++ backend calls, with the log-sum-exp always computed, for
-        the shapes of what it returns (fake kernels, the planner; the exact arguments, masks
-        and scales included, are the C++ backend's); `extras` are the further outputs its
-        backward takes, in the C++ backend's order (KeptAttention.extra).
-    backward(grad, query, key, value, attn_mask, output, logsumexp, extras, is_causal, scale)
-        -> (grad_query, grad_key, grad_value): the backward op PyTorch's derivative calls, for
-        the shapes (fake kernels).
-    forward_op: the aten op of the forward (what selective activation checkpointing saves).
-    extra_names: a name for each of `extras`, in order (for printed predictions).
-    refuses(query, key, value) -> None, or why the C++ backend refuses such inputs (where
-        F.sdpa pads or slices around the fused op, which the kept path cannot replay).
-    """
+    """One kept backend: its device type ("cpu", "cuda"), SDPBackend, PyTorch's name for it,
+    and the aten op its forward calls (forward_op: what selective activation checkpointing
+    saves; None where this torch has no such op)."""
     device: str
     backend: SDPBackend
     name: str
-    forward: Callable
-    backward: Callable
-    forward_op: Optional[object]
-    extra_names: tuple = ()
-    refuses: Callable = lambda query, key, value: None
+    forward_op_name: str
+    unbuilt_call: Optional[Callable] = None  # without the compiled ops: its call (_unbuilt_backends.py)
+
+    @property
+    def forward_op(self):
+        op = getattr(_aten, self.forward_op_name, None)
+        return None if op is None else op.default
+
+    def forward(self, query, key, value, attn_mask=None, is_causal=False, scale=None):
+        """(output, logsumexp, extras) of the C++ backend's forward for these tensors (the
+        caller's mask: a boolean one is made additive as F.sdpa makes it); `extras` are the
+        further outputs its backward takes, in its order."""
+        if self.unbuilt_call is not None:
+            return _unbuilt_backends.forward(self.unbuilt_call, query, key, value, attn_mask, is_causal, scale)
+        return _ops._backend_forward(query, key, value, attn_mask, is_causal, scale, self.device, int(self.backend))
+
+    def backward(self, grad, query, key, value, attn_mask, output, logsumexp, extras, is_causal=False, scale=None):
+        """(grad_query, grad_key, grad_value) of the C++ backend's backward, for their shapes."""
+        return _ops._backend_backward(grad, query, key, value, attn_mask, output, logsumexp, list(extras), is_causal,
+                                      scale, self.device, int(self.backend))
+
+    def refuses(self, query, key, value, attn_mask=None, is_causal=False, scale=None) -> Optional[str]:
+        """None, or why the C++ backend refuses such inputs (where F.sdpa pads or slices around
+        the fused op, which the kept path cannot replay): its forward run on meta tensors, the
+        first clause of its message (the planner gives its own advice)."""
+        try:
+            self.forward(*(_meta(t) for t in (query, key, value, attn_mask)), is_causal, scale)
+        except RuntimeError as e:
+            if not str(e).startswith("attnstash"):
+                raise
+            return str(e).removeprefix("attnstash: ").split(": ")[0]
+        return None
 
 
-def _efficient_bias(mask, query, key):
-    # Layout only matters to the real kernel (torch_ops/backends/efficient.cpp); shapes need the expansion.
-    return None if mask is None else mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+def _rows():
+    try:
+        _library.load()  # the compiled table (attnstash/_C)
+    except ImportError:  # no build, or a build for another torch: the planner plans without it
+        return tuple(KeptBackend(*row[:4], unbuilt_call=row[4]) for row in _unbuilt_backends.ROWS)
+    return tuple(KeptBackend(d, SDPBackend(int(b)), name, op)
+                 for d, b, name, op in (row.split(":") for row in _ops.stash_kept_backends()))
 
 
-def _op(name):
-    return getattr(_aten, name).default if hasattr(_aten, name) else None
+KEPT_BACKENDS = _rows()
 
 
-def _cpu_flash_forward(q, k, v, mask, causal, scale):
-    out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-    return out, lse, []
-
-
-def _cpu_flash_backward(grad, q, k, v, mask, out, lse, extras, causal, scale):
-    return _aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, causal,
-                                                                      attn_mask=mask, scale=scale)
-
-
-def _cudnn_forward(q, k, v, mask, causal, scale):
-    r = _aten._scaled_dot_product_cudnn_attention(q, k, v, mask, True, 0.0, causal, False, scale=scale)
-    return r[0], r[1], [r[6], r[7]]
-
-
-def _cudnn_backward(grad, q, k, v, mask, out, lse, extras, causal, scale):
-    return _aten._scaled_dot_product_cudnn_attention_backward(grad, q, k, v, out, lse, extras[0], extras[1], mask,
-                                                              None, None, q.shape[2], k.shape[2], 0.0, causal,
-                                                              scale=scale)
-
-
-def _cuda_flash_forward(q, k, v, mask, causal, scale):
-    r = _aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
-    return r[0], r[1], [r[6], r[7]]
-
-
-def _cuda_flash_backward(grad, q, k, v, mask, out, lse, extras, causal, scale):
-    return _aten._scaled_dot_product_flash_attention_backward(grad, q, k, v, out, lse, None, None, q.shape[2],
-                                                              k.shape[2], 0.0, causal, extras[0], extras[1],
-                                                              scale=scale)
-
-
-def _cuda_flash_refuses(q, k, v):
-    # torch_ops/backends/cuda_flash.cpp refuses the same: F.sdpa pads such a head_dim around the kernel.
-    if q.shape[-1] % 8 or v.shape[-1] % 8:
-        return f"CUDA flash attention with head_dim {q.shape[-1]} (not a multiple of 8) is not kept"
-    return None
-
-
-def _efficient_forward(q, k, v, mask, causal, scale):
-    r = _aten._scaled_dot_product_efficient_attention(q, k, v, _efficient_bias(mask, q, k), True, 0.0, causal,
-                                                      scale=scale)
-    return r[0], r[1], [r[2], r[3]]
-
-
-def _efficient_backward(grad, q, k, v, mask, out, lse, extras, causal, scale):
-    return _aten._scaled_dot_product_efficient_attention_backward(grad, q, k, v, _efficient_bias(mask, q, k), out,
-                                                                  lse, extras[0], extras[1], 0.0,
-                                                                  [True, True, True, False], causal, scale=scale)[:3]
-
-
-KEPT_BACKENDS = (
-    KeptBackend("cpu", SDPBackend.FLASH_ATTENTION, "flash_attention (CPU)", _cpu_flash_forward, _cpu_flash_backward,
-                _op("_scaled_dot_product_flash_attention_for_cpu")),
-    KeptBackend("cuda", SDPBackend.CUDNN_ATTENTION, "cudnn_attention", _cudnn_forward, _cudnn_backward,
-                _op("_scaled_dot_product_cudnn_attention"), ("philox seed", "philox offset")),
-    KeptBackend("cuda", SDPBackend.FLASH_ATTENTION, "flash_attention", _cuda_flash_forward, _cuda_flash_backward,
-                _op("_scaled_dot_product_flash_attention"), ("rng state", "unused"), _cuda_flash_refuses),
-    KeptBackend("cuda", SDPBackend.EFFICIENT_ATTENTION, "efficient_attention", _efficient_forward,
-                _efficient_backward, _op("_scaled_dot_product_efficient_attention"), ("philox seed", "philox offset")),
-)
+def _meta(t):
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
 
 def kept_backend(device, backend) -> Optional[KeptBackend]:
@@ -128,24 +93,11 @@ def chosen_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
                                                   enable_gqa=enable_gqa)))
 
 
-def as_fused_mask(mask, query):
-    """The mask's shape and dtype as F.sdpa hands it to a fused forward: a boolean mask becomes
-    additive in the query's dtype (its values are the C++ side's: torch_ops/keep_replay.cpp,
-    fused_attn_mask); shapes and dtypes are all the fake kernels and the planner need."""
-    if mask is None or mask.dtype != torch.bool:
-        return mask
-    return torch.zeros(mask.shape, dtype=query.dtype, device=mask.device)
-
-
 def kept_bytes(row, query, key, value, attn_mask=None, is_causal=False, scale=None):
     """(output, logsumexp, extras) bytes the stash keeps for one call of this row's forward with
     tensors shaped like these (meta tensors will do: nothing is computed, and the device does not
     matter), counted as torch_ops/records.cpp counts them (numel * itemsize)."""
-    def meta(t):
-        return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-    out, lse, extras = row.forward(meta(query), meta(key), meta(value), meta(as_fused_mask(attn_mask, query)),
-                                   is_causal, scale)
+    out, lse, extras = row.forward(*(_meta(t) for t in (query, key, value, attn_mask)), is_causal, scale)
 
     def size(t):
         return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0

@@ -202,9 +202,9 @@ if _JaggedTensor is not None and hasattr(torch.library, "register_torch_dispatch
 
 
 # ---- fake kernels --------------------------------------------------------------------------
-# They let FakeTensor and torch.compile trace the ops. Every output comes from the fused
-# SDPA op F.sdpa would run for these inputs (attnstash/backends.py), so PyTorch's own meta
-# functions give the exact shape, dtype and strides.
+# They let FakeTensor and torch.compile trace the ops. Every output comes from the kept
+# backend's own forward or backward for the backend F.sdpa would run for these inputs
+# (attnstash/backends.py), so PyTorch's own meta functions give the exact shape, dtype and strides.
 
 def _fake_row(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     backend = backends.chosen_backend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -233,7 +233,7 @@ torch.library.register_fake("attnstash::_sdpa_compiled")(_fake_output)
 @torch.library.register_fake("attnstash::_keep_or_take")
 def _replay_take_fake(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     row = _fake_row(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    out, lse, extra = row.forward(query, key, value, backends.as_fused_mask(attn_mask, query), is_causal, scale)
+    out, lse, extra = row.forward(query, key, value, attn_mask, is_causal, scale)
     return out, lse, torch.empty(4, dtype=torch.long, device="cpu"), extra
 
 
@@ -241,5 +241,4 @@ def _replay_take_fake(query, key, value, anchor, slot, attn_mask, dropout_p, is_
 def _replay_backward_fake(grad, query, key, value, attn_mask, output, logsumexp, info, extra, dropout_p, is_causal,
                           scale, enable_gqa):
     row = _fake_row(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return row.backward(grad, query, key, value, backends.as_fused_mask(attn_mask, query), output, logsumexp, extra,
-                        is_causal, scale)
+    return row.backward(grad, query, key, value, attn_mask, output, logsumexp, extra, is_causal, scale)

@@ -83,9 +83,19 @@ TORCH_LIBRARY(attnstash, m) {
   m.def("stash_held_ids() -> int[]", &attnstash::records::held_ids);
   // The id of the record held for (anchor, slot), 0 if none: what a forward's owner holds.
   m.def("stash_record_id(Tensor anchor, int slot) -> int", &attnstash::records::record_id);
-  // "device:SDPBackend value:name" for every kept backend (torch_ops/backends/): the table
-  // attnstash/backends.py's KEPT_BACKENDS must match (tests/python/test_package.py checks it).
+  // "device:SDPBackend value:name:forward op" for every kept backend (torch_ops/backends/):
+  // what attnstash/backends.py's KEPT_BACKENDS holds ...
   m.def("stash_kept_backends() -> str[]", &attnstash::kept_backend_rows);
+  // ... and the forward and backward of one of them (device, SDPBackend value), for the shapes
+  // of what they return on meta or fake tensors (the fake kernels, the planner): the backend's
+  // file is the one statement of its calls (torch_ops/backends/kept_backends.cpp).
+  m.def(
+      "_backend_forward(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, bool is_causal, float? scale, "
+      "str device, int backend) -> (Tensor output, Tensor logsumexp, Tensor[] extra)");
+  m.def(
+      "_backend_backward(Tensor grad, Tensor query, Tensor key, Tensor value, Tensor? attn_mask, Tensor output, "
+      "Tensor logsumexp, Tensor[] extra, bool is_causal, float? scale, str device, int backend) "
+      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   // Offloading (attnstash/install/offload.py): a kept record's output and log-sum-exp handed
   // out, its bytes counted apart ([] if there is nothing to move), and put back before its
   // recompute (whether it was still held): records.h, move_out.

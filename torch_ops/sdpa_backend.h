@@ -46,6 +46,9 @@ struct SdpaBackend {
   c10::DeviceType device;
   at::SDPBackend id;  // torch.nn.attention.SDPBackend: what at::_fused_sdp_choice returns for it
   const char* name;  // as PyTorch names it
+  // The aten op `forward` calls, as torch.ops.aten names it (what selective activation
+  // checkpointing saves; attnstash/backends.py reads it from kept_backend_rows).
+  const char* forward_op;
   // The additive value F.sdpa puts where a boolean mask is false before it calls this
   // backend (it puts 0 where the mask is true), in the query's dtype.
   double masked_out;
@@ -63,7 +66,9 @@ const char* sdpa_backend_name(int64_t id);
 // (backends/kept_backends.cpp holds the table).
 const std::vector<const SdpaBackend*>& kept_backends();
 
-// kept_backends() as "device:SDPBackend value:name" strings (cpu or cuda), for Python.
+// kept_backends() as "device:SDPBackend value:name:forward_op" strings (cpu or cuda): what
+// attnstash/backends.py knows of them (it calls forward and backward through the ops
+// _backend_forward and _backend_backward, kept_backends.cpp).
 std::vector<std::string> kept_backend_rows();
 
 // The kept backend with this SDPBackend value (as at::_fused_sdp_choice returns it) on

@@ -222,7 +222,7 @@ def _refusal(call, device, forced, capability):
         refused = (f"F.sdpa would run {chosen.name.lower()} on {device.type}, which the stash cannot keep "
                    "(training with this layer stashed raises; see why above)")
     else:
-        refused = row.refuses(call.query, call.key, call.value)
+        refused = row.refuses(call.query, call.key, call.value, call.mask, call.is_causal, call.scale)
     return chosen, why, row, refused
 
 

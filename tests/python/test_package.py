@@ -202,10 +202,113 @@ def test_the_build_refuses_a_torch_outside_the_range_it_reads_from_library_py(tm
     assert refused and f"supports torch {lo[0]}.{lo[1]} to {hi[0]}.{hi[1] - 1} only" in output, output
 
 
-def test_the_python_table_of_kept_backends_is_the_compiled_one():
-    # attnstash/backends.py's KEPT_BACKENDS (the fake kernels, the planner) and the backends the
-    # ops keep (torch_ops/backends/): one row each, the same rows.
+def test_every_kept_backend_is_one_row_naming_an_aten_op_of_this_torch():
+    # attnstash/backends.py reads its table from the compiled one (torch_ops/backends/).
     from attnstash import backends
-    compiled = sorted(torch.ops.attnstash.stash_kept_backends())
-    assert compiled == sorted(f"{row.device}:{int(row.backend)}:{row.name}" for row in backends.KEPT_BACKENDS)
-    assert len(compiled) == len(set(compiled)) == 4
+    rows = backends.KEPT_BACKENDS
+    assert sorted((r.device, r.backend.name) for r in rows) == [
+        ("cpu", "FLASH_ATTENTION"), ("cuda", "CUDNN_ATTENTION"), ("cuda", "EFFICIENT_ATTENTION"),
+        ("cuda", "FLASH_ATTENTION")]
+    for row in rows:
+        assert row.forward_op is not None and row.forward_op.name() == f"aten::{row.forward_op_name}", row
+        assert backends.kept_backend(row.device, int(row.backend)) is row
+
+
+def test_the_cpu_backend_s_python_calls_are_the_kept_path_s_own():
+    # KeptBackend.forward and .backward run the C++ backend's calls (attnstash::_backend_forward,
+    # _backend_backward): bitwise the fused ops F.sdpa and its derivative call, a boolean mask
+    # made additive as F.sdpa makes it.
+    from attnstash import backends
+    row = backends.kept_backend("cpu", torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=g) for _ in range(3))
+    mask = torch.rand(2, 1, 5, 5, generator=g) > 0.3
+    mask[..., 0] = True
+    out, lse, extras = row.forward(q, k, v, mask, False, 0.5)
+    assert extras == []
+    assert torch.equal(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, mask, scale=0.5))
+    additive = torch.where(mask, 0.0, torch.tensor(float("-inf")))
+    want_out, want_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False,
+                                                                                    attn_mask=additive, scale=0.5)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    grad = torch.randn(2, 3, 5, 8, generator=g)
+    got = row.backward(grad, q, k, v, mask, out, lse, extras, False, 0.5)
+    want = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(grad, q, k, v, out, lse, 0.0, False,
+                                                                               attn_mask=additive, scale=0.5)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("name", ["flash_attention (CPU)", "cudnn_attention", "flash_attention",
+                                  "efficient_attention"])
+def test_each_backend_s_shapes_trace_with_dynamic_shapes_without_specialising_them(name):
+    # What the fake kernels run under torch.compile's dynamic shapes: each backend's forward and
+    # backward on symbolic sizes (a mask where the backend takes one), with no guard that fixes one.
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from attnstash import backends
+    row = next(r for r in backends.KEPT_BACKENDS if r.name == name)
+    dtype = torch.bfloat16 if row.device == "cuda" else torch.float32
+    q = torch.empty(2, 4, 16, 64, dtype=dtype, device="meta")
+    kv = torch.empty(2, 4, 24, 64, dtype=dtype, device="meta")
+    mask = None if name == "flash_attention" else torch.empty(2, 1, 16, 24, dtype=torch.bool, device="meta")
+    envs = []
+
+    def both(q, k, v, mask):
+        out, lse, extras = row.forward(q, k, v, mask, False, None)
+        envs.append(torch._guards.detect_fake_mode(q).shape_env)
+        return (out, lse, *row.backward(out, q, k, v, mask, out, lse, extras, False, None))
+
+    traced = make_fx(both, tracing_mode="symbolic")(q, kv, kv, mask)
+    out = [n for n in traced.graph.output_node().args[0]][0].meta["val"]
+    assert out.dim() == 4 and all(isinstance(s, torch.SymInt) for s in out.shape[:3])
+    # Only head_dim may be fixed (64, which no other size here is: a model's constant, which CUDA
+    # flash's refusal reads); batch, heads and sequences stay symbolic.
+    assert set(envs[0].replacements.values()) <= ({64} if name == "flash_attention" else set()), envs[0].replacements
+
+
+def test_the_planner_s_statement_of_the_forwards_without_a_build_is_the_compiled_one():
+    # attnstash/_unbuilt_backends.py (the planner without the compiled ops) against the C++
+    # backends: the same rows, and on meta tensors the same shapes, dtypes and strides of every
+    # output, and the same refusals.
+    from attnstash import _unbuilt_backends, backends
+    def key(row):
+        return row.device, int(row.backend)
+    built_rows = sorted(backends.KEPT_BACKENDS, key=key)
+    unbuilt = sorted((backends.KeptBackend(*row[:4], unbuilt_call=row[4]) for row in _unbuilt_backends.ROWS), key=key)
+    assert [(r.device, r.backend, r.name, r.forward_op_name) for r in unbuilt] == \
+        [(r.device, r.backend, r.name, r.forward_op_name) for r in built_rows]
+
+    def meta(*shape, dtype):
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    def layout(outputs):
+        out, lse, extras = outputs
+        return [(tuple(t.shape), t.stride(), t.dtype) for t in (out, lse, *extras)]
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for mask in (None, meta(2, 1, 13, 29, dtype=torch.bool), meta(1, 4, 13, 29, dtype=dtype),
+                     meta(13, 29, dtype=torch.float32)):
+            for head_dim, is_causal, scale in ((64, False, None), (60, True, 0.25), (128, False, 1.0)):
+                q, kv = meta(2, 4, 13, head_dim, dtype=dtype), meta(2, 4, 29, head_dim, dtype=dtype)
+                for built, plain in zip(built_rows, unbuilt):
+                    case = (built.name, dtype, None if mask is None else (mask.shape, mask.dtype), head_dim)
+                    assert built.refuses(q, kv, kv, mask, is_causal, scale) == \
+                        plain.refuses(q, kv, kv, mask, is_causal, scale), case
+                    if built.refuses(q, kv, kv, mask, is_causal, scale) is None and \
+                            not (built.name == "flash_attention" and mask is not None):  # (CUDA flash takes no mask)
+                        assert layout(built.forward(q, kv, kv, mask, is_causal, scale)) == \
+                            layout(plain.forward(q, kv, kv, mask, is_causal, scale)), case
+
+
+def test_a_backend_s_own_refusal_is_read_from_its_forward():
+    # KeptBackend.refuses runs the C++ forward on meta tensors: CUDA flash refuses a head_dim that
+    # F.sdpa pads around it (torch_ops/backends/cuda_flash.cpp); the others take it.
+    from attnstash import backends
+    q = torch.empty(1, 2, 8, 60, dtype=torch.bfloat16)
+    for row in backends.KEPT_BACKENDS:
+        refused = row.refuses(q, q, q)
+        if row.device == "cuda" and row.backend == torch.nn.attention.SDPBackend.FLASH_ATTENTION:
+            assert refused.startswith("flash attention with head_dim 60 (not a multiple of 8) is not kept"), refused
+        else:
+            assert refused is None, (row, refused)
+
+

@@ -26,9 +26,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_backward(const at::Tens
 
 }  // namespace
 
-const SdpaBackend cpu_flash_backend = {c10::DeviceType::CPU, at::SDPBackend::flash_attention, "flash_attention (CPU)",
-                                       -std::numeric_limits<double>::infinity(), cpu_flash_forward,
-                                       cpu_flash_backward};
+const SdpaBackend cpu_flash_backend = {
+    c10::DeviceType::CPU, at::SDPBackend::flash_attention, "flash_attention (CPU)",
+    /*forward_op=*/"_scaled_dot_product_flash_attention_for_cpu", /*masked_out=*/-std::numeric_limits<double>::infinity(),
+    cpu_flash_forward, cpu_flash_backward};
 ATTNSTASH_KEPT_BACKEND(cpu_flash_backend);
 
 }  // namespace attnstash

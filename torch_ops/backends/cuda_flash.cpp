@@ -13,12 +13,14 @@ namespace {
 // and passes the scale computed from the unpadded head_dim explicitly. The padding is
 // not reproduced here: such head sizes are refused.
 double flash_scale(const SdpaCall& c) {
-  return c.scale.has_value() ? *c.scale : 1.0 / std::sqrt(static_cast<double>(c.query.size(-1)));
+  return c.scale.has_value() ? *c.scale
+                              : 1.0 / std::sqrt(static_cast<double>(c.query.sym_size(-1).guard_int(__FILE__, __LINE__)));
 }
 
 KeptAttention cuda_flash_forward(const SdpaCall& c) {
-  TORCH_CHECK(c.query.size(-1) % 8 == 0 && c.value.size(-1) % 8 == 0,
-              "attnstash: flash attention with head_dim ", c.query.size(-1),
+  // (Sizes as SymInts: the fake kernels run this under torch.compile's dynamic shapes.)
+  TORCH_CHECK(c.query.sym_size(-1) % 8 == 0 && c.value.sym_size(-1) % 8 == 0,
+              "attnstash: flash attention with head_dim ", c.query.sym_size(-1),
               " (not a multiple of 8) is not kept: F.sdpa pads and slices it around the kernel. "
               "Use a head_dim that is a multiple of 8, another backend via torch.nn.attention.sdpa_kernel(...), "
               "or do not stash this layer.");
@@ -30,8 +32,10 @@ KeptAttention cuda_flash_forward(const SdpaCall& c) {
   KeptAttention kept;
   kept.output = std::get<0>(out);
   kept.logsumexp = std::get<1>(out);
-  kept.max_q = std::get<4>(out).guard_int(__FILE__, __LINE__);
-  kept.max_k = std::get<5>(out).guard_int(__FILE__, __LINE__);
+  // (Symbolic only on the fake tensors of a trace with dynamic shapes, whose shapes do not depend
+  // on them: kept_backends.cpp, _backend_forward. A guard there would specialise the trace.)
+  kept.max_q = std::get<4>(out).maybe_as_int().value_or(0);
+  kept.max_k = std::get<5>(out).maybe_as_int().value_or(0);
   kept.extra = {std::get<6>(out), std::get<7>(out)};  // rng_state, unused
   return kept;
 }
@@ -49,9 +53,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cuda_flash_backward(const at::Ten
 }  // namespace
 
 // (Flash takes no mask: masked_out is never used.)
-const SdpaBackend cuda_flash_backend = {c10::DeviceType::CUDA, at::SDPBackend::flash_attention, "flash_attention",
-                                        -std::numeric_limits<double>::infinity(), cuda_flash_forward,
-                                        cuda_flash_backward};
+const SdpaBackend cuda_flash_backend = {
+    c10::DeviceType::CUDA, at::SDPBackend::flash_attention, "flash_attention",
+    /*forward_op=*/"_scaled_dot_product_flash_attention", /*masked_out=*/-std::numeric_limits<double>::infinity(),
+    cuda_flash_forward, cuda_flash_backward};
 ATTNSTASH_KEPT_BACKEND(cuda_flash_backend);
 
 }  // namespace attnstash

@@ -20,7 +20,7 @@ KeptAttention cudnn_forward(const SdpaCall& c) {
   KeptAttention kept;
   kept.output = std::get<0>(out);
   kept.logsumexp = std::get<1>(out);
-  TORCH_CHECK(kept.logsumexp.defined() && kept.logsumexp.numel() > 0,
+  TORCH_CHECK(kept.logsumexp.defined() && kept.logsumexp.sym_numel() > 0,
               "attnstash: cuDNN attention returned no log-sum-exp although it was asked for one; "
               "this torch build cannot be used to keep cuDNN attention. Please report it with `python -m attnstash.info`.");
   // cum_seq_q/cum_seq_k are only defined for nested (jagged) inputs, which are not kept.
@@ -28,8 +28,10 @@ KeptAttention cudnn_forward(const SdpaCall& c) {
               "attnstash: cuDNN attention returned cumulative sequence lengths for dense inputs; "
               "this torch build cannot be used to keep cuDNN attention. Please report it with `python -m attnstash.info`.");
   kept.extra = {std::get<6>(out), std::get<7>(out)};  // philox_seed, philox_offset
-  kept.max_q = std::get<4>(out).guard_int(__FILE__, __LINE__);
-  kept.max_k = std::get<5>(out).guard_int(__FILE__, __LINE__);
+  // (Symbolic only on the fake tensors of a trace with dynamic shapes, whose shapes do not depend
+  // on them: kept_backends.cpp, _backend_forward. A guard there would specialise the trace.)
+  kept.max_q = std::get<4>(out).maybe_as_int().value_or(0);
+  kept.max_k = std::get<5>(out).maybe_as_int().value_or(0);
   return kept;
 }
 
@@ -60,9 +62,10 @@ constexpr double cudnn_masked_out = -65504.0;
 constexpr double cudnn_masked_out = -std::numeric_limits<double>::infinity();
 #endif
 
-const SdpaBackend cudnn_backend = {c10::DeviceType::CUDA, at::SDPBackend::cudnn_attention, "cudnn_attention",
-                                   cudnn_masked_out, cudnn_forward,
-                                   cudnn_backward};
+const SdpaBackend cudnn_backend = {
+    c10::DeviceType::CUDA, at::SDPBackend::cudnn_attention, "cudnn_attention",
+    /*forward_op=*/"_scaled_dot_product_cudnn_attention", /*masked_out=*/cudnn_masked_out,
+    cudnn_forward, cudnn_backward};
 ATTNSTASH_KEPT_BACKEND(cudnn_backend);
 
 }  // namespace attnstash

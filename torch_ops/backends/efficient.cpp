@@ -13,15 +13,16 @@ namespace {
 // mask's; only the layout changes, and it is the same here.
 std::optional<at::Tensor> efficient_bias(const SdpaCall& c) {
   if (!c.attn_mask.has_value()) return std::nullopt;
+  // (Sizes and strides as SymInts: the fake kernels run this under torch.compile's dynamic shapes.)
   at::Tensor bias = *c.attn_mask;
   constexpr int64_t alignment = 8;
-  bool aligned = bias.stride(-1) == 1;
-  for (int64_t d = 0; d < bias.dim() - 1; ++d) aligned = aligned && bias.stride(d) % alignment == 0;
+  bool aligned = bias.sym_stride(-1) == 1;
+  for (int64_t d = 0; d < bias.dim() - 1; ++d) aligned = aligned && bias.sym_stride(d) % alignment == 0;
   if (!aligned) {
-    int64_t last = bias.size(-1);
-    bias = at::pad(bias, {0, alignment - last % alignment}).slice(-1, 0, last);
+    c10::SymInt last = bias.sym_size(-1);
+    bias = at::pad_symint(bias, {0, alignment - last % alignment}).slice_symint(-1, 0, last);
   }
-  return bias.expand({c.query.size(0), c.query.size(1), c.query.size(2), c.key.size(2)});
+  return bias.expand_symint({c.query.sym_size(0), c.query.sym_size(1), c.query.sym_size(2), c.key.sym_size(2)});
 }
 
 KeptAttention efficient_forward(const SdpaCall& c) {
@@ -49,9 +50,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> efficient_backward(const at::Tens
 
 }  // namespace
 
-const SdpaBackend efficient_backend = {c10::DeviceType::CUDA, at::SDPBackend::efficient_attention, "efficient_attention",
-                                       -std::numeric_limits<double>::infinity(), efficient_forward,
-                                       efficient_backward};
+const SdpaBackend efficient_backend = {
+    c10::DeviceType::CUDA, at::SDPBackend::efficient_attention, "efficient_attention",
+    /*forward_op=*/"_scaled_dot_product_efficient_attention", /*masked_out=*/-std::numeric_limits<double>::infinity(),
+    efficient_forward, efficient_backward};
 ATTNSTASH_KEPT_BACKEND(efficient_backend);
 
 }  // namespace attnstash
