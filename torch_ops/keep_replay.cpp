@@ -258,6 +258,13 @@ KeptAttention run_forward(const SdpaBackend& backend, const SdpaCall& c) {
   return kept;
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& grad, const SdpaCall& c,
+                                                            const KeptAttention& kept) {
+  std::optional<at::Tensor> mask = fused_attn_mask(c.attn_mask, c.query, *kept.backend);
+  return kept.backend->backward(grad, {c.query, c.key, c.value, mask, c.dropout_p, c.is_causal, c.scale, c.enable_gqa},
+                                kept);
+}
+
 KeptAttention run_kept_backend(const SdpaCall& c, const char* op) {
   check_keepable(c, op);
   return run_forward(backend_for_keep(c, op), c);

@@ -50,6 +50,11 @@ std::optional<at::Tensor> fused_attn_mask(const std::optional<at::Tensor>& mask,
 // makes it), with its log-sum-exp.
 KeptAttention run_forward(const SdpaBackend& backend, const SdpaCall& call);
 
+// The gradients for query, key and value from kept.backend's backward for this call (the
+// caller's mask, made as run_forward made it for the forward).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(const at::Tensor& grad, const SdpaCall& call,
+                                                            const KeptAttention& kept);
+
 // run_forward with the kept backend F.sdpa would choose, keeping nothing: a call whose node
 // needs the log-sum-exp for its backward (_sdpa_compiled outside any checkpoint). Refused
 // as keep_forward refuses (`op` names the op in the message).

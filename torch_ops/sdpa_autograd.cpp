@@ -178,10 +178,7 @@ struct NonReentrantKeepFunction : public torch::autograd::Function<NonReentrantK
       kept = refilled ? *refilled : run_forward(*record->call.backend, call);
     }
     // Checked against the caller's mask; the backend gets it as the fused op got it.
-    std::optional<at::Tensor> fused = fused_attn_mask(call.attn_mask, call.query, *kept.backend);
-    SdpaCall fused_call{call.query, call.key, call.value, fused, call.dropout_p, call.is_causal, call.scale,
-                        call.enable_gqa};
-    std::tie(grad_inputs[0], grad_inputs[1], grad_inputs[2]) = kept.backend->backward(grad, fused_call, kept);
+    std::tie(grad_inputs[0], grad_inputs[1], grad_inputs[2]) = run_backward(grad, call, kept);
     return grad_inputs;
   }
 };

@@ -115,9 +115,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> replay_backward_kernel(
   kept.max_k = i[2];
   // (enable_gqa is no argument of any fused backward: K/V heads come from the shapes.)
   // The backward gets the mask as the kept forward got it (a boolean one made additive).
-  std::optional<at::Tensor> mask = fused_attn_mask(attn_mask, query, *kept.backend);
-  SdpaCall call{query, key, value, mask, dropout_p, is_causal, scale, enable_gqa};
-  return kept.backend->backward(grad, call, kept);
+  return run_backward(grad, {query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa}, kept);
 }
 
 void register_device_kernels(torch::Library& m) {

@@ -72,10 +72,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backend_backward(
     const at::Tensor& grad, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
     const std::optional<at::Tensor>& attn_mask, const at::Tensor& output, const at::Tensor& logsumexp,
     at::TensorList extra, bool is_causal, std::optional<double> scale, c10::string_view device, int64_t backend) {
-  const SdpaBackend& b = backend_named(device, backend, "_backend_backward");
-  KeptAttention kept{&b, output, logsumexp, extra.vec(), 0, 0};
-  SdpaCall call{query, key, value, fused_attn_mask(attn_mask, query, b), 0.0, is_causal, scale, false};
-  return b.backward(grad, call, kept);
+  KeptAttention kept{&backend_named(device, backend, "_backend_backward"), output, logsumexp, extra.vec(), 0, 0};
+  return run_backward(grad, {query, key, value, attn_mask, 0.0, is_causal, scale, false}, kept);
 }
 
 }  // namespace
