@@ -48,13 +48,14 @@ class LayerStash:
     """One stashed layer: its index and name (for messages), how its checkpointed forward is
     reached, its class's forward, its slots, and the attention calls of its last first forward that kept (None
     before one; attention_layers prints it)."""
-    __slots__ = ("index", "name", "reach", "slot_base", "calls", "forward", "kind", "pending", "offload",
+    __slots__ = ("index", "name", "reach", "slot_base", "calls", "forward", "kind", "pending", "install",
                  "rng_noted", "checkpoint_call", "__weakref__")
 
-    def __init__(self, index, name, reach, forward=None, kind="", offload=None):
+    def __init__(self, index, name, reach, install, forward=None, kind=""):
         self.index, self.name, self.reach, self.calls, self.kind = index, name, reach, None, kind  # kind: class name
         self.pending = []  # MODULE_CALL first forwards awaiting their recompute under a token (module_call.py)
-        self.offload = offload  # the install's offload.Own, or None
+        self.install = install  # the state.Install it belongs to (its offload among what it holds)
+        install.layers += 1
         self.rng_noted = False  # a first forward noted a random state for its recompute to check (random_state.py)
         self.forward = forward  # the layer class's forward function (what torch.compile traces: compiled.py)
         self.checkpoint_call = None  # its CheckpointCall, for the checkpoint function it last read (stand_in)
@@ -65,9 +66,12 @@ class LayerStash:
         return range(self.slot_base, self.slot_base + (1 << state.SLOT_BITS))
 
     def __deepcopy__(self, memo):
-        # A deep copy of a stashed model has an install of its own, with slots of its own.
-        own = None if self.offload is None else memo.setdefault(id(self.offload), offload.Own())  # one per install
-        return LayerStash(self.index, self.name, self.reach, self.forward, self.kind, own)
+        # A deep copy of a stashed model has an install of its own (its own offload, no budget: the
+        # original's lasts as long as the original's install), with slots of its own.
+        install = memo.get(id(self.install))
+        if install is None:
+            install = memo[id(self.install)] = state.Install(None if self.install.offload is None else offload.Own())
+        return LayerStash(self.index, self.name, self.reach, install, self.forward, self.kind)
 
 
 def stash_of(layer):
@@ -173,7 +177,7 @@ def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=N
                 "use non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
         first, rng = True, Rng.first(anchor.device, preserves) if reachable and preserves is not True else None
         mover = offload.mover_for(stash, anchor, grad) if reachable and token is not None and \
-            (hooks or stash.offload is not None) else None
+            (hooks or stash.install.offload is not None) else None
     frame = _new_frame(Frame)  # (no __init__: a Python call less per forward)
     frame.stash, frame.keep, frame.first, frame.calls, frame.limit, frame.rng = stash, keep, first, 0, limit, rng
     frame.anchor, frame.owned = (anchor, False) if token is None else (token, True)
@@ -360,7 +364,7 @@ class Run(functools.partial):
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
         # The layer input, only where the first forward reads it (open_frame says when); the ops anchor on the token.
         anchor = state.anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None)) \
-            if self.preserves is not True or stash.offload is not None else None
+            if self.preserves is not True or stash.install.offload is not None else None
         frame = open_frame(stash, anchor, False, self.outer_grad, preserves=self.preserves, token=self.token)
         out = run_in_frame(frame, self.fn, args, kwargs)
         self.routed, self.moved = (frame.calls if frame.keep else 0), frame.moved
@@ -369,10 +373,10 @@ class Run(functools.partial):
 
 # ---- install and uninstall -------------------------------------------------------------------------
 
-def attach(layer, index, name, reach, own=None):
-    """Stash one layer (the caller holds state.lock and has patched the router); `own`: its install's
-    offload.Own, if any."""
-    stash = LayerStash(index, name, reach, type(layer).forward, type(layer).__name__, own)
+def attach(layer, index, name, reach, install):
+    """Stash one layer of `install` (a state.Install; the caller holds state.lock and has patched
+    the router)."""
+    stash = LayerStash(index, name, reach, install, type(layer).forward, type(layer).__name__)
     previous = layer.__dict__.get("forward")
     if previous is not None:
         layer.__dict__[PREVIOUS] = previous
@@ -382,6 +386,7 @@ def attach(layer, index, name, reach, own=None):
 
 
 def detach(layer):
+    """Unstash one layer; its state.Install if that was the install's last layer, else None."""
     stash = layer.__dict__.pop(ATTR, None)
     forward = layer.__dict__.get("forward")
     if getattr(forward, "__func__", None) is stashed_forward:  # (one set over it since stays, and passes through)
@@ -390,8 +395,11 @@ def detach(layer):
             del layer.__dict__["forward"]
         else:
             layer.__dict__["forward"] = previous
-    if stash is not None:
-        state.live.discard(stash)
+    if stash is None:
+        return None
+    state.live.discard(stash)
+    stash.install.layers -= 1
+    return None if stash.install.layers else stash.install
 
 
 def held_by_layer(stash, held):

@@ -70,25 +70,29 @@ def install_attention_stash(model, num_layers=None, *, layers=None, filter_fn=No
             routing.patch()
             if any(f.reach is CHECKPOINT_FUNCTION for _, f in chosen):
                 transformers_adapter.patch(core.stand_in)
-            token, own = None, offloading.Own() if offload else None
+            install = state.Install(offloading.Own() if offload else None)
             for index, f in chosen:
-                stash = core.attach(f.module, index, f"layer {index} ({f.name or 'the model'}, "
-                                    f"{type(f.module).__name__})", f.reach, own)
+                core.attach(f.module, index, f"layer {index} ({f.name or 'the model'}, {type(f.module).__name__})",
+                            f.reach, install)
                 done.append(f.module)
-                token = token or stash
             if limit is not None:
-                budget.push(token, limit)
-                model.__dict__[_BUDGET] = token
+                budget.push(install, limit)
+                install.budget = True
             ops.stash_reset_peak()  # so that peak_bytes tells about the installed run
         except BaseException:
             for module in done:
-                core.detach(module)
+                _detach(module)
             _unpatch_if_unused()
             raise
     return [index for index, _ in chosen]
 
 
-_BUDGET = "_attnstash_budget"  # on the model: the install whose budget is in force while it lasts
+def _detach(module):
+    """Unstash one layer; where it was its install's last, the install's budget ends with it."""
+    ended = core.detach(module)
+    if ended is not None and ended.budget:
+        ended.budget = False
+        budget.pop(ended)
 
 
 def _unpatch_if_unused():
@@ -105,16 +109,14 @@ def uninstall_attention_stash(model):
     they were, other models keep their installs, its budget ends (the one it replaced is back),
     and once no model has the stash F.scaled_dot_product_attention is torch's own again. What the
     model's forwards still hold is released with their graphs. Raises InstallError if the model
-    has no stash."""
+    has no stash. `model` may be a part of the model: its layers are unstashed, and an install's
+    budget ends with the last of its layers."""
     with state.lock:
         stashed = _stashed(model)
         if not stashed:
             raise InstallError(f"attnstash: {type(model).__name__} has no attention stash installed.")
         for module, _ in stashed:
-            core.detach(module)
-        token = model.__dict__.pop(_BUDGET, None)
-        if token is not None:
-            budget.pop(token)
+            _detach(module)
         _unpatch_if_unused()
 
 

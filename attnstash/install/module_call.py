@@ -68,7 +68,8 @@ def pending_for(stash, layer_input, backward, hooks_active):
     grad = torch.is_grad_enabled()
     if backward:
         return _for_recompute(stash, layer_input) if grad else None
-    return _for_first_forward(stash, layer_input, grad) if stash.offload is not None or hooks_active() else None
+    own = stash.install.offload is not None
+    return _for_first_forward(stash, layer_input, grad) if own or hooks_active() else None
 
 
 def _for_first_forward(stash, layer_input, grad):

@@ -29,8 +29,9 @@ def mover_for(stash, layer_input, grad):
     where it takes nothing: a layer input in host memory), else the user's saved-tensor hooks
     around its checkpoint, else None. A non-reentrant checkpoint (grad on) pushes its own hooks
     over the user's: those are the pair below the top."""
-    if stash.offload is not None:
-        return stash.offload if stash.offload.takes(layer_input) else None
+    own = stash.install.offload
+    if own is not None:
+        return own if own.takes(layer_input) else None
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is None or not grad:
         return None if top is None else Hooks(*top)

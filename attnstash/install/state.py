@@ -1,5 +1,5 @@
-"""What the installer holds for the whole process and for each thread, and what it reads of
-torch's autograd state: stated here once, below core.py, compiled.py and routing.py, which all
+"""What the installer holds for the whole process, for each install and for each thread, and what
+it reads of torch's autograd state: stated here once, below core.py, compiled.py and routing.py, which all
 read it (none reaches into another's privates for it)."""
 import itertools
 import threading
@@ -14,6 +14,17 @@ SLOT_BITS = 16  # a layer's slots: base + call index, for up to 2**16 calls per 
 lock = threading.RLock()  # installs, uninstalls, and the patch of F.scaled_dot_product_attention
 live = weakref.WeakSet()  # every core.LayerStash in use (deep copies of models included)
 _bases = itertools.count(1)
+
+
+class Install:
+    """One install_attention_stash, or a deep copy of a model that has one: what its layers
+    (core.LayerStash.install) share. `offload`: its offload.Own, or None; `budget`: whether it set a
+    budget (budget.push, with this object as the token); `layers`: how many of its layers are
+    still stashed. The install ends with the last of them (installer.py gives its budget back)."""
+    __slots__ = ("offload", "budget", "layers")
+
+    def __init__(self, offload=None):
+        self.offload, self.budget, self.layers = offload, False, 0
 
 
 class _Thread(threading.local):

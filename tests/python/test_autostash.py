@@ -72,7 +72,7 @@ def test_the_stash_is_installed_when_checkpointing_is_enabled(mode, layers, stas
 def test_attnstash_offload_installs_the_own_offload(value, offload):
     code = ("import json\nfrom tiny_models import tiny_model\nfrom attnstash.install import core\n"
             "m = tiny_model('llama', layers=2)\nm.gradient_checkpointing_enable()\n"
-            "print(json.dumps(sorted({type(core.stash_of(l).offload).__name__ for l in m.model.layers})))")
+            "print(json.dumps(sorted({type(core.stash_of(l).install.offload).__name__ for l in m.model.layers})))")
     out, err, rc = run(code, ATTNSTASH_LAYERS="all", ATTNSTASH_OFFLOAD=value)
     assert rc == 0, err
     assert out == [offload]

@@ -2,6 +2,8 @@
 that layer's recompute runs attention as the normal recompute does (same numbers), the
 last layers get the budget first, and units read as other tools read them."""
 
+from copy import deepcopy
+
 import pytest
 import torch
 
@@ -127,6 +129,34 @@ def test_overlapping_installs_nest_their_budgets():
     attnstash.uninstall_attention_stash(a)
     assert attnstash.stash_max_bytes() == 400
     attnstash.uninstall_attention_stash(c)
+
+
+def test_each_install_on_one_model_gives_its_own_budget_back():
+    model = tiny_model("llama")
+    attnstash.install_attention_stash(model, layers=[model.model.layers[0]], max_bytes=100)
+    attnstash.install_attention_stash(model, layers=[model.model.layers[1]], max_bytes=200)
+    assert attnstash.stash_max_bytes() == 200
+    attnstash.uninstall_attention_stash(model)  # both installs end: the budget from before the first
+    assert attnstash.stash_max_bytes() is None
+
+
+def test_a_budget_lasts_until_the_last_of_its_install_s_layers_is_uninstalled():
+    model = tiny_model("llama")
+    attnstash.install_attention_stash(model, max_bytes=100)
+    attnstash.uninstall_attention_stash(model.model.layers[0])  # one layer of the install ends
+    assert attnstash.stash_max_bytes() == 100 and attnstash.layer_stash_stats(model)
+    attnstash.uninstall_attention_stash(model.model)  # the rest of it: the install ends
+    assert attnstash.stash_max_bytes() is None and not attnstash.layer_stash_stats(model)
+
+
+def test_a_deep_copy_s_uninstall_leaves_the_original_s_budget():
+    model = tiny_model("llama")
+    attnstash.install_attention_stash(model, max_bytes=100)
+    copy = deepcopy(model)
+    attnstash.uninstall_attention_stash(copy)  # the copy set no budget of its own
+    assert attnstash.stash_max_bytes() == 100
+    attnstash.uninstall_attention_stash(model)
+    assert attnstash.stash_max_bytes() is None
 
 
 @pytest.mark.parametrize("mode", MODES)

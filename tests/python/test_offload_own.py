@@ -52,8 +52,8 @@ class StandIn(offload.Own):
 def install_stand_in(model, layers, install):
     attnstash.install_attention_stash(model, offload=True, **install)
     stand_in = StandIn()
-    for layer in layers:
-        core.stash_of(layer).offload = stand_in
+    for layer in layers:  # the install's offload, which all its layers share
+        core.stash_of(layer).install.offload = stand_in
     return stand_in
 
 
@@ -153,8 +153,8 @@ def test_a_deep_copy_of_an_offloaded_model_has_one_offload_of_its_own():
     attnstash.install_attention_stash(model, layers=plain.Block, offload=True)
     try:
         twin = copy.deepcopy(model)
-        mine = {id(core.stash_of(b).offload) for b in model.blocks}
-        theirs = {id(core.stash_of(b).offload) for b in twin.blocks}
+        mine = {id(core.stash_of(b).install.offload) for b in model.blocks}
+        theirs = {id(core.stash_of(b).install.offload) for b in twin.blocks}
         assert len(mine) == len(theirs) == 1 and mine != theirs
     finally:
         attnstash.uninstall_attention_stash(model)
