@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from . import _library, backends
 from .errors import KeepError
 
-_library.load()  # registers the ops (attnstash/_C); explains a missing or mismatched build
+NATIVE = _library.load()  # attnstash/_C: registers the ops; explains a missing or mismatched build
 _ops = torch.ops.attnstash
 
 
@@ -76,6 +76,12 @@ def _entry(packet):
     overload = packet.default
     return getattr(overload, "_op", overload)
 
+
+# The autograd state of this thread that the ops' phase rules read (torch_ops/keep_replay.h), for
+# the installer's frames to read the same: whether a backward pass runs, and whether saved-tensor
+# hooks are pushed (a non-reentrant checkpoint's, offloading's). Plain C functions of attnstash/_C.
+inside_backward = NATIVE.inside_backward
+saved_tensor_hooks_pushed = NATIVE.saved_tensor_hooks_pushed
 
 KEEP = _entry(_ops.sdpa_fwd_keep)
 """sdpa_fwd_keep's entry, called positionally: (query, key, value, anchor, slot, attn_mask,

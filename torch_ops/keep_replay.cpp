@@ -11,9 +11,12 @@
 #include <sstream>
 
 namespace attnstash {
-namespace {
 
 bool inside_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
+
+bool saved_tensor_hooks_pushed() { return !at::SavedTensorDefaultHooks::get_tls_state().stack.empty(); }
+
+namespace {
 
 
 bool any_requires_grad(const SdpaCall& c) {
@@ -225,7 +228,7 @@ Phase phase_of(const SdpaCall& call, const at::Tensor& anchor) {
   // forward either (a non-reentrant checkpoint under no_grad, or offloading around a
   // reentrant one, whose recompute would get a copy of the anchor): nothing to keep, but for
   // a token anchor (0-dim), which the caller holds for the recompute itself.
-  bool hooks = !at::SavedTensorDefaultHooks::get_tls_state().stack.empty();
+  bool hooks = saved_tensor_hooks_pushed();
   if (!grad)
     return (!hooks || anchor.dim() == 0) && anchor.requires_grad() ? Phase::reentrant_first_forward : Phase::plain;
   return hooks && any_requires_grad(call) ? Phase::non_reentrant_first_forward : Phase::plain;
@@ -234,7 +237,7 @@ Phase phase_of(const SdpaCall& call, const at::Tensor& anchor) {
 Phase compiled_phase_of(const SdpaCall& call, const at::Tensor& anchor) {
   if (is_empty(call) || c10::InferenceMode::is_enabled()) return Phase::plain;
   if (inside_backward()) return Phase::recompute;
-  if (!at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) return Phase::non_reentrant_first_forward;
+  if (saved_tensor_hooks_pushed()) return Phase::non_reentrant_first_forward;
   return anchor.requires_grad() ? Phase::reentrant_first_forward : Phase::plain;
 }
 

@@ -27,6 +27,12 @@ enum class Phase {
 };
 Phase phase_of(const SdpaCall& call, const at::Tensor& anchor);
 
+// The facts the rules above read from this thread's autograd state, which the installer's
+// frames read too (attnstash/install/state.py, through attnstash._C): whether a backward pass
+// runs, and whether saved-tensor hooks are pushed (a non-reentrant checkpoint's, offloading's).
+bool inside_backward();
+bool saved_tensor_hooks_pushed();
+
 // The phase of a call in a graph torch.compile traced inside an activation checkpoint that
 // runs eagerly (attnstash::_sdpa_compiled), decided when the graph runs. Grad mode says
 // nothing there (a compiled graph's forward runs with grad off), so: empty or in inference

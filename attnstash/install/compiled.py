@@ -32,7 +32,7 @@ import functools
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .. import backends
+from .. import backends, ops
 from ..errors import CheckpointingError
 from . import state
 from .found import ATTR, CHECKPOINT_FUNCTION
@@ -141,7 +141,7 @@ def _inside_eager_checkpoint():
     diffusers' compile_repeated_blocks): a recompute, or the first forward of a non-reentrant
     checkpoint (its saved-tensor hooks). Evaluated once, as dynamo traces, from the eager state
     it traces in."""
-    return state.in_backward() or state.saved_tensor_hooks_active()
+    return ops.inside_backward() or ops.saved_tensor_hooks_pushed()
 
 
 _traced = []  # [anchor, slot base, calls so far] of each layer traced by _eager_checkpoint_forward, innermost last

@@ -144,7 +144,7 @@ _new_frame = object.__new__
 
 def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=None, token=None):
     """The frame of one forward of a stashed layer, by the phase it runs in (`backward`: whether
-    it runs inside a backward pass, state.in_backward()). `outer_grad`: the
+    it runs inside a backward pass, ops.inside_backward()). `outer_grad`: the
     grad mode of the call outside its checkpoint; `limit`: for a recompute, how many attention
     calls its first forward routed; `preserves`: whether its checkpoint restores the random
     state for the recompute (preserves_rng). None: cannot be seen. `token`: what the ops anchor
@@ -157,7 +157,7 @@ def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=N
         keep = grad and limit != 0
         first, rng, mover = False, Rng.recompute() if keep and stash.rng_noted else None, None
     else:
-        hooks = state.saved_tensor_hooks_active()
+        hooks = ops.saved_tensor_hooks_pushed()
         if grad and not hooks:
             raise CheckpointingError(
                 f"attnstash: {stash.name} is stashed, but its training forward runs outside any activation "
@@ -247,7 +247,7 @@ def _eager_forward(layer, forward, args, kwargs):
     stash = layer.__dict__.get(ATTR)
     if stash is None or state.active(stash):  # not stashed, or inside its Run (which has the frame)
         return forward(*args, **kwargs)
-    backward = state.in_backward()
+    backward = ops.inside_backward()
     if stash.reach is CHECKPOINT_FUNCTION and layer.training:
         if getattr(layer, "gradient_checkpointing", False):
             # Its frames come from its Run, which a training forward must reach. A reentrant
@@ -263,14 +263,14 @@ def _eager_forward(layer, forward, args, kwargs):
             if reached.get(stash.slot_base, 0) == before:
                 raise _unreached(stash, layer, "its training forward ran")
             return out
-        if torch.is_grad_enabled() and not backward and not state.saved_tensor_hooks_active():
+        if torch.is_grad_enabled() and not backward and not ops.saved_tensor_hooks_pushed():
             raise compiled.checkpointing_off(stash)
     # Eval and generation: untouched; a recompute follows its first forward, whatever the
     # training flag says by then.
     if not layer.training and not backward:
         return forward(*args, **kwargs)
     anchor = state.anchor_of(stash, args, kwargs)
-    entry = module_call.pending_for(stash, anchor, backward, state.saved_tensor_hooks_active)
+    entry = module_call.pending_for(stash, anchor, backward, ops.saved_tensor_hooks_pushed)
     frame = open_frame(stash, anchor, backward, token=entry and entry.token)
     out = run_in_frame(frame, forward, args, kwargs)
     if frame.moved is not None:
@@ -355,7 +355,7 @@ class Run(functools.partial):
 
     def __call__(self, *args, **kwargs):
         stash = self.stash
-        if state.in_backward():
+        if ops.inside_backward():
             if self.moved is not None:
                 self.moved.fetch()
             return run_in_frame(open_frame(stash, None, True, limit=self.routed if self.routed is not None else 0,

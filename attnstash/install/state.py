@@ -1,6 +1,7 @@
-"""What the installer holds for the whole process, for each install and for each thread, and what
-it reads of torch's autograd state: stated here once, below core.py, compiled.py and routing.py, which all
-read it (none reaches into another's privates for it)."""
+"""What the installer holds for the whole process, for each install and for each thread: stated
+here once, below core.py, compiled.py and routing.py, which all read it (none reaches into
+another's privates for it). What it reads of torch's autograd state, the ops read too
+(ops.inside_backward, ops.saved_tensor_hooks_pushed)."""
 import itertools
 import threading
 import weakref
@@ -56,18 +57,6 @@ def active(stash):
         if frame.stash is stash:
             return True
     return False
-
-
-_graph_task_id = torch._C._current_graph_task_id
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-
-
-def in_backward():
-    return _graph_task_id() != -1
-
-
-def saved_tensor_hooks_active():
-    return _top_hooks(False) is not None
 
 
 def _callback_unknown():

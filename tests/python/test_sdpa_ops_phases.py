@@ -192,3 +192,34 @@ def test_stats_report_every_counter_with_its_meaning():
     assert list(attnstash.stash_stats()) == names  # csrc/stash_registry.h's order, then ops.py's
     meanings = attnstash.stash_stats_meanings()
     assert list(meanings) == names and all(meanings.values())
+
+
+def test_the_autograd_state_the_installer_reads_is_what_torch_reports():
+    """ops.inside_backward and ops.saved_tensor_hooks_pushed (the C++ the phase rules read) agree
+    with torch's own view: outside everything, inside a backward, under saved-tensor hooks (a
+    non-reentrant checkpoint's, save_on_cpu's), and in a reentrant checkpoint's recompute."""
+    seen = []
+
+    def note(where):
+        seen.append((where, ops.inside_backward(), torch._C._current_graph_task_id() != -1,
+                     ops.saved_tensor_hooks_pushed(), torch._C._autograd._top_saved_tensors_default_hooks(True)
+                     is not None))
+
+    def layer(x):
+        note("forward" if not torch._C._current_graph_task_id() != -1 else "recompute")
+        return x.sin()
+
+    note("outside")
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: note("backward") or g)
+    y.sum().backward()
+    with torch.autograd.graph.save_on_cpu():
+        note("save_on_cpu")
+    for reentrant in (True, False):
+        checkpoint(layer, x * 1, use_reentrant=reentrant).sum().backward()
+    assert [(w, b, h) for w, b, _, h, _ in seen] == [
+        ("outside", False, False), ("backward", True, False), ("save_on_cpu", False, True),
+        ("forward", False, False), ("recompute", True, False), ("forward", False, True),
+        ("recompute", True, True)]  # (a non-reentrant recompute runs under the checkpoint's own hooks)
+    assert all(b == torch_b and h == torch_h for _, b, torch_b, h, torch_h in seen)

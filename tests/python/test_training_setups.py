@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import attnstash
+from attnstash import ops
 from attnstash.install import core, state
 from tiny_models import assert_bitwise_equal, batch, clone, loss_and_grads, tiny_model
 
@@ -141,7 +142,7 @@ def test_a_dropped_forward_frees_every_layer_input(mode, installed):
     installed(model)
     inputs = []
     hooks = [layer.register_forward_pre_hook(lambda m, a: inputs.append(weakref.ref(a[0])) if not
-                                             state.in_backward() else None)
+                                             ops.inside_backward() else None)
              for layer in model.model.layers]
     try:
         ids = batch()
