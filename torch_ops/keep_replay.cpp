@@ -18,7 +18,6 @@ bool saved_tensor_hooks_pushed() { return !at::SavedTensorDefaultHooks::get_tls_
 
 namespace {
 
-
 bool any_requires_grad(const SdpaCall& c) {
   return c.query.requires_grad() || c.key.requires_grad() || c.value.requires_grad();
 }

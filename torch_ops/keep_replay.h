@@ -28,8 +28,9 @@ enum class Phase {
 Phase phase_of(const SdpaCall& call, const at::Tensor& anchor);
 
 // The facts the rules above read from this thread's autograd state, which the installer's
-// frames read too (attnstash/install/state.py, through attnstash._C): whether a backward pass
-// runs, and whether saved-tensor hooks are pushed (a non-reentrant checkpoint's, offloading's).
+// frames read too (attnstash/install/core.py and compiled.py, through attnstash.ops): whether
+// a backward pass runs, and whether saved-tensor hooks are pushed (a non-reentrant
+// checkpoint's, offloading's).
 bool inside_backward();
 bool saved_tensor_hooks_pushed();
 
