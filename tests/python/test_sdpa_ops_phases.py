@@ -206,7 +206,7 @@ def test_the_autograd_state_the_installer_reads_is_what_torch_reports():
                      is not None))
 
     def layer(x):
-        note("forward" if not torch._C._current_graph_task_id() != -1 else "recompute")
+        note("forward" if torch._C._current_graph_task_id() == -1 else "recompute")
         return x.sin()
 
     note("outside")
