@@ -83,7 +83,7 @@ test-python: build
 # The fast inner loop, from a built tree: the C core's ctest and the op-level tests, which need
 # only torch and attnstash, not transformers (their generic helpers: tests/python/helpers.py), and the
 # installer on plain PyTorch models (test_any_model.py).
-CHECK_TESTS = tests/python/test_sdpa_ops_bitwise.py tests/python/test_sdpa_ops_phases.py \
+CHECK_TESTS = tests/python/test_sdpa_ops_bitwise.py tests/python/test_sdpa_ops_phases.py tests/python/test_sdpa_ops_entry.py \
   tests/python/test_sdpa_ops_refusals.py tests/python/test_sdpa_ops_compile.py tests/python/test_compile.py \
   tests/python/test_errors.py tests/python/test_edge_inputs.py tests/python/test_info.py tests/python/test_any_model.py
 check: build
