@@ -34,10 +34,6 @@ static bool plain_tensor(PyObject* o) { return THPVariable_CheckExact(o); }
 
 static PyObject* keep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (boxed_keep == nullptr) {
-    PyErr_SetString(PyExc_RuntimeError, "attnstash: _C.keep called before attnstash.ops handed it the op's binding");
-    return nullptr;
-  }
   const bool direct = nargs == 10 && !at::impl::torch_function_mode_enabled() && plain_tensor(args[0]) &&
                       plain_tensor(args[1]) && plain_tensor(args[2]) && plain_tensor(args[3]) &&
                       PyLong_CheckExact(args[4]) && (args[5] == Py_None || plain_tensor(args[5])) &&
@@ -45,7 +41,13 @@ static PyObject* keep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                       (args[8] == Py_None || PyFloat_CheckExact(args[8])) && PyBool_Check(args[9]);
   int overflow = 0;
   const long long slot = direct ? PyLong_AsLongLongAndOverflow(args[4], &overflow) : 0;
-  if (!direct || overflow != 0) return PyObject_Vectorcall(boxed_keep, args, nargs, nullptr);
+  if (!direct || overflow != 0) {
+    if (boxed_keep == nullptr) {
+      PyErr_SetString(PyExc_RuntimeError, "attnstash: _C.keep called before attnstash.ops handed it the op's binding");
+      return nullptr;
+    }
+    return PyObject_Vectorcall(boxed_keep, args, nargs, nullptr);
+  }
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("attnstash::sdpa_fwd_keep", "")

@@ -2,7 +2,9 @@
 plain arguments it makes the op's dispatcher call itself, and any other call goes to the op's binding,
 so that every call gives what torch.ops.attnstash.sdpa_fwd_keep gives: the same output bitwise, the
 same record kept, the same error, and __torch_function__ seen where the binding would see it."""
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -151,7 +153,14 @@ def test_other_threads_run_python_while_the_entry_s_op_runs():
     def count():
         while not done.is_set():
             counted[0] += 1
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    start = time.perf_counter()
+    ops.KEEP(q, k, v, anchor, 0, None, 0.0, False, None, False)
+    op_time = time.perf_counter() - start  # alone, no other thread waiting for the GIL
+    interval = sys.getswitchinterval()
+    # Far longer than the op: the counter can run during it only if the op releases the GIL.
+    sys.setswitchinterval(max(1.0, 20 * op_time))
     thread = threading.Thread(target=count)
     thread.start()
     try:
@@ -161,4 +170,6 @@ def test_other_threads_run_python_while_the_entry_s_op_runs():
     finally:
         done.set()
         thread.join()
+        sys.setswitchinterval(interval)
+        torch.set_num_threads(threads)
     assert during > 0
