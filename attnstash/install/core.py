@@ -185,14 +185,6 @@ def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=N
     return frame
 
 
-def close_frame(frame):
-    """After a first forward that keeps (run_in_frame): it must have called attention."""
-    frame.stash.calls = frame.calls
-    if frame.calls == 0 and not compiled.calls_the_ops(frame.stash.kind):
-        release(frame.kept)
-        raise compiled.no_attention(frame.stash)
-
-
 def run_in_frame(frame, fn, args, kwargs):
     frames = state.thread.frames
     frames.append(frame)
@@ -206,8 +198,11 @@ def run_in_frame(frame, fn, args, kwargs):
         raise
     finally:
         frames.remove(frame)
-    if frame.first and frame.keep:
-        close_frame(frame)
+    if frame.first and frame.keep:  # a first forward that keeps must have called attention
+        frame.stash.calls = frame.calls
+        if frame.calls == 0 and not compiled.calls_the_ops(frame.stash.kind):
+            release(frame.kept)
+            raise compiled.no_attention(frame.stash)
     if frame.moving:
         frame.moved = offload.move_out(frame.mover, frame.moving)
     return out
@@ -239,6 +234,9 @@ def stashed_forward(layer, *args, **kwargs):
         return compiled.layer_forward(layer, previous, args, kwargs)
     forward = previous if previous is not None else type(layer).forward.__get__(layer)
     if state.dynamo_callback() is None:  # plain eager: nothing for torch.compiler.disable to turn off
+        frames = state.thread.frames
+        if frames and frames[-1].stash is layer.__dict__.get(ATTR):  # inside its Run, which has the frame
+            return forward(*args, **kwargs)
         return _eager_forward(layer, forward, args, kwargs)
     return _eager_forward_undynamoed(layer, forward, args, kwargs)
 
@@ -329,7 +327,13 @@ class CheckpointCall:
     def __call__(self, fn, *args, **kwargs):
         if self.traced:  # compiled.py
             return compiled.checkpoint_call(self.checkpoint, fn, args, kwargs)
-        return self.checkpoint(Run(self.stash, fn, torch.is_grad_enabled(), self.preserves), *args, **kwargs)
+        run = _new_run(Run, fn)  # (Run has no __new__ or __init__ of its own: a Python call less per checkpoint call)
+        run.stash, run.fn, run.outer_grad, run.preserves = self.stash, fn, torch.is_grad_enabled(), self.preserves
+        run.routed, run.token, run.moved = None, ops.NEW_TOKEN(), None
+        return self.checkpoint(run, *args, **kwargs)
+
+
+_new_run = functools.partial.__new__
 
 
 class Run(functools.partial):
@@ -340,15 +344,12 @@ class Run(functools.partial):
     the stash (LLaMA-Factory's: `func.func.__self__` when `isinstance(func, partial)`). Whatever
     holds it for the recompute (the checkpoint's graph) holds its token, and so what its first
     forward kept: a graph dropped without a backward releases it."""
+    # Made by CheckpointCall alone: `fn`, the forward; `outer_grad`, the grad mode of the call
+    # outside the checkpoint; `preserves`, preserves_rng of the checkpoint function; `routed`,
+    # the attention calls the first forward routed (None before it, 0: it kept nothing); `token`,
+    # what the ops anchor on (Anchor, above: ops.new_token); `moved`, what offload.py moved off
+    # the device after the first forward.
     __slots__ = ("stash", "fn", "outer_grad", "preserves", "routed", "token", "moved")
-
-    def __new__(cls, stash, fn, outer_grad, preserves):
-        self = functools.partial.__new__(cls, fn)
-        self.stash, self.fn, self.outer_grad, self.preserves = stash, fn, outer_grad, preserves
-        self.routed = None  # attention calls the first forward routed (0: it kept nothing)
-        self.token = ops.NEW_TOKEN()  # what the ops anchor on (Anchor, above): ops.new_token
-        self.moved = None  # what offload.py moved off the device after the first forward
-        return self
 
     def __getattr__(self, name):
         return getattr(self.fn, name)
