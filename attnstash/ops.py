@@ -83,13 +83,14 @@ def _entry(packet):
 inside_backward = NATIVE.inside_backward
 saved_tensor_hooks_pushed = NATIVE.saved_tensor_hooks_pushed
 
-NATIVE._set_boxed_keep(_entry(_ops.sdpa_fwd_keep))
+NATIVE._set_bindings(_entry(_ops.sdpa_fwd_keep), _entry(_ops._new_token))
 KEEP = NATIVE.keep
 """sdpa_fwd_keep called positionally, all ten: (query, key, value, anchor, slot, attn_mask,
 dropout_p, is_causal, scale, enable_gqa). The op's dispatcher call made directly from C where
 the arguments are plain (torch_ops/python_module.cpp), else its binding: the same call either way."""
-NEW_TOKEN = _entry(_ops._new_token)
-"""_new_token's entry (new_token below)."""
+NEW_TOKEN = NATIVE.new_token
+"""_new_token called (new_token below): its kernel from C, or its binding while a TorchFunctionMode
+is active (torch_ops/python_module.cpp), the same call either way."""
 
 
 _offload_waits = [0]

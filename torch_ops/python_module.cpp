@@ -5,10 +5,12 @@
 
 #include <ATen/PythonTorchFunctionTLS.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "keep_replay.h"
+#include "records.h"
 
 // Read from the file by attnstash/_library.py before loading, to explain a torch mismatch.
 extern "C" __attribute__((used)) const char attnstash_built_for_torch[] =
@@ -26,7 +28,7 @@ static PyObject* saved_tensor_hooks_pushed(PyObject*, PyObject*) {
 // without turning the arguments into a boxed stack and back. Only for what needs no Python
 // semantics: exact tensors (torch.Tensor or Parameter, no subclass), Python's own int, float,
 // bool and None, and no TorchFunctionMode active. Any other call goes to `boxed_keep`, the
-// binding itself (ops.py hands it over), so that every call behaves as the binding's would:
+// binding itself (ops.py hands it over: set_bindings), so that every call behaves as the binding's would:
 // __torch_function__, conversions and the binding's own errors included.
 static PyObject* boxed_keep = nullptr;
 
@@ -75,13 +77,50 @@ static PyObject* keep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-static PyObject* set_boxed_keep(PyObject*, PyObject* binding) {
+// ---- new_token: attnstash::_new_token's kernel (records.h), called directly ---------------------
+// The op has no tensor argument and a catch-all kernel that dispatches nothing, so its binding's
+// call is this one unless a mode can see it: a TorchFunctionMode, or anything that adds a key to
+// this thread's dispatch (a TorchDispatchMode's Python key, functionalization). Then the call goes
+// to `boxed_new_token`, the binding itself.
+static PyObject* boxed_new_token = nullptr;
+
+static bool unseen_by_modes() {
+  return !at::impl::torch_function_mode_enabled() &&
+         (c10::impl::tls_local_dispatch_key_set().included_ - c10::default_included_set).empty();
+}
+
+static PyObject* new_token(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  if (!unseen_by_modes()) {
+    if (boxed_new_token == nullptr) {
+      PyErr_SetString(PyExc_RuntimeError,
+                      "attnstash: _C.new_token called before attnstash.ops handed it the op's binding");
+      return nullptr;
+    }
+    return PyObject_CallNoArgs(boxed_new_token);
+  }
+  return THPVariable_Wrap(attnstash::records::new_token());
+  END_HANDLE_TH_ERRORS
+}
+
+static bool set_binding(PyObject*& slot, PyObject* binding, const char* op) {
   if (!PyCallable_Check(binding)) {
-    PyErr_SetString(PyExc_TypeError, "attnstash: _C._set_boxed_keep expects the binding of attnstash::sdpa_fwd_keep");
-    return nullptr;
+    PyErr_Format(PyExc_TypeError, "attnstash: _C._set_bindings expects the binding of attnstash::%s, got %R", op,
+                 binding);
+    return false;
   }
   Py_INCREF(binding);
-  Py_XSETREF(boxed_keep, binding);
+  Py_XSETREF(slot, binding);
+  return true;
+}
+
+// ops.py hands over the two ops' bindings (each an OpOverload's `_op`), for the calls above do not make.
+static PyObject* set_bindings(PyObject*, PyObject* args) {
+  PyObject *keep_binding = nullptr, *new_token_binding = nullptr;
+  if (!PyArg_ParseTuple(args, "OO:_set_bindings", &keep_binding, &new_token_binding)) return nullptr;
+  if (!set_binding(boxed_keep, keep_binding, "sdpa_fwd_keep") ||
+      !set_binding(boxed_new_token, new_token_binding, "_new_token"))
+    return nullptr;
   Py_RETURN_NONE;
 }
 
@@ -92,7 +131,10 @@ static PyMethodDef attnstash_methods[] = {
     {"keep", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(keep)), METH_FASTCALL,
      "attnstash::sdpa_fwd_keep(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, "
      "enable_gqa), all ten positional: the op's binding's call, made directly where no Python semantics apply."},
-    {"_set_boxed_keep", set_boxed_keep, METH_O, "Hand keep the op's binding, for the calls it does not make itself."},
+    {"new_token", new_token, METH_NOARGS,
+     "attnstash::_new_token(): the op's kernel called directly, or its binding while a TorchFunctionMode is active."},
+    {"_set_bindings", set_bindings, METH_VARARGS,
+     "Hand keep and new_token the bindings of sdpa_fwd_keep and _new_token, for the calls they do not make."},
     {nullptr, nullptr, 0, nullptr}};
 
 static struct PyModuleDef attnstash_module = {PyModuleDef_HEAD_INIT, "_C", "attnstash's torch ops", -1,

@@ -1,7 +1,9 @@
 """ops.KEEP, the installer's entry to attnstash::sdpa_fwd_keep (torch_ops/python_module.cpp): with
 plain arguments it makes the op's dispatcher call itself, and any other call goes to the op's binding,
 so that every call gives what torch.ops.attnstash.sdpa_fwd_keep gives: the same output bitwise, the
-same record kept, the same error, and __torch_function__ seen where the binding would see it."""
+same record kept, the same error, and __torch_function__ seen where the binding would see it. And
+ops.NEW_TOKEN, its entry to attnstash::_new_token: the kernel called from C, the binding where a mode
+would see the call."""
 import sys
 import threading
 import time
@@ -10,30 +12,89 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import attnstash
 from attention_cases import anchor_for, qkv
 from attnstash import ops
 
 BINDING = torch.ops.attnstash.sdpa_fwd_keep.default
+TOKEN_BINDING = torch.ops.attnstash._new_token.default
+
+
+def counting(calls, binding, name):
+    def counted(*args):
+        calls.append((name, args))
+        return binding._op(*args)
+    return counted
 
 
 @pytest.fixture
 def binding_calls():
     """The calls ops.KEEP hands to the op's binding, counted (the binding itself still makes them)."""
     calls = []
-
-    def counted(*args):
-        calls.append(args)
-        return BINDING._op(*args)
-    ops.NATIVE._set_boxed_keep(counted)
+    ops.NATIVE._set_bindings(counting(calls, BINDING, "keep"), TOKEN_BINDING._op)
     yield calls
-    ops.NATIVE._set_boxed_keep(BINDING._op)
+    ops.NATIVE._set_bindings(BINDING._op, TOKEN_BINDING._op)
 
 
-def test_the_installer_s_entry_is_the_c_function_that_falls_back_to_the_op_s_binding():
+@pytest.fixture
+def token_binding_calls():
+    """The calls ops.NEW_TOKEN hands to _new_token's binding, counted."""
+    calls = []
+    ops.NATIVE._set_bindings(BINDING._op, counting(calls, TOKEN_BINDING, "new_token"))
+    yield calls
+    ops.NATIVE._set_bindings(BINDING._op, TOKEN_BINDING._op)
+
+
+def test_the_installer_s_entries_are_the_c_functions_that_fall_back_to_the_ops_bindings():
     assert ops.KEEP is ops.NATIVE.keep
-    assert ops.NEW_TOKEN is torch.ops.attnstash._new_token.default._op
+    assert ops.NEW_TOKEN is ops.NATIVE.new_token
+    with pytest.raises(TypeError, match="binding of attnstash::_new_token, got 3"):
+        ops.NATIVE._set_bindings(BINDING._op, 3)
+
+
+class SeenDispatch(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_token_from_c_is_the_binding_s_and_releases_as_the_binding_s_does(token_binding_calls):
+    """What the token test of test_sdpa_ops_phases.py checks of ops.new_token, against the binding's
+    token: the same kind of tensor, and freed, the records under it released."""
+    direct, bound = ops.NEW_TOKEN(), TOKEN_BINDING()
+    assert token_binding_calls == []  # made in C
+    for token in (direct, bound):
+        assert (token.dim(), token.dtype, token.device.type, token.requires_grad, token.is_leaf, token.item()) == \
+            (0, torch.float32, "cpu", True, True, 0.0)
+        assert token.grad_fn is None and type(token) is torch.Tensor
+    q, k, v = qkv(torch.float32, 4, 4, 16)
+    with torch.no_grad():
+        for token in (direct, bound):
+            ops.KEEP(q, k, v, token, 0, None, 0.0, False, None, False)
+    assert len(ops.held_ids()) == 2
+    del direct
+    assert len(ops.held_ids()) == 1
+    del token, bound
+    assert ops.held_ids() == []
+
+
+def test_a_mode_that_would_see_the_token_s_call_gets_it_through_the_binding(token_binding_calls):
+    with Noted() as function_mode:
+        ops.NEW_TOKEN()
+    with SeenDispatch() as dispatch_mode:
+        token = ops.NEW_TOKEN()
+    assert TOKEN_BINDING in function_mode.seen and TOKEN_BINDING in dispatch_mode.seen
+    assert token.requires_grad and token.dim() == 0
+    assert [name for name, _ in token_binding_calls] == ["new_token", "new_token"]
+    with torch.autocast("cpu"), torch.no_grad():  # no mode: from C
+        ops.NEW_TOKEN()
+    assert len(token_binding_calls) == 2
 
 
 def arguments(mask, scale, gqa, causal=False):
