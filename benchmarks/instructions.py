@@ -12,10 +12,11 @@ over b - a steps is one step's instructions, start-up and warm-up cancelled. Per
 "0 layers" is each design installed with nothing to keep (attnstash: its router in place, as a
 decoy model's install leaves it; the seed: its wrapper of the "sdpa" entry). The plain step (no
 install) is counted too: each configuration against it is what its install costs in all, the
-router's and the wrapper's passes on the path where nothing is kept included. Losses and gradients
-of every configuration are checked bitwise against the plain run's in one process first.
+router's and the wrapper's passes on the path where nothing is kept included. So is what the seed's
+design skips by replacing transformers' attention entry (run_entry). Losses and gradients of every
+configuration are checked bitwise against the plain run's in one process first.
 
-    python -m benchmarks --mode instructions            (about 26 minutes on 2 cores)
+    python -m benchmarks --mode instructions            (about 28 minutes on 2 cores)
 """
 import concurrent.futures
 import functools
@@ -100,20 +101,72 @@ def check(mode):
             raise SystemExit(f"benchmarks: {config} ({mode}) does not give the plain run's loss and gradients bitwise")
 
 
+ENTRY_CONFIGS = ("entry", "bare")
+
+
+def run_entry(config, warmup, steps):
+    """What the seed's design skips that attnstash runs: transformers' attention entry
+    (`sdpa_attention_forward`) around F.sdpa, which the seed's design replaces in the layers it
+    stashes and attnstash, reached through F.sdpa inside it, leaves to run. A step here is one
+    stashed layer's two passes as a reentrant checkpoint makes them (the first forward without
+    grad, the recompute with), on the decoder's own attention module and arguments; F.sdpa is a
+    stand-in that returns a ready output. "entry": the entry's calls; "bare": what the seed's
+    wrapper does in their place after its attention (the output transposed, made contiguous)."""
+    import torch.nn.functional as F
+    from transformers.integrations import sdpa_attention
+    torch.set_num_threads(1)
+    model, _, _ = build("plain", "reentrant")
+    attention = model.model.layers[0].self_attn
+    shape = (1, attention.config.num_attention_heads, 16, attention.head_dim)
+    kv = (1, attention.config.num_key_value_heads, 16, attention.head_dim)
+    query, key, value = (torch.randn(s, requires_grad=True) * 1 for s in (shape, kv, kv))
+    ready = torch.randn(shape, requires_grad=True) * 1
+    called = []
+
+    def stand_in(*args, **kwargs):
+        called.append(1)
+        return ready
+    F.scaled_dot_product_attention = stand_in  # (this process only)
+
+    def entry():
+        return sdpa_attention.sdpa_attention_forward(attention, query, key, value, None, dropout=0.0,
+                                                     scaling=attention.scaling, sliding_window=None,
+                                                     position_ids=None, use_cache=False)
+
+    def bare():
+        return ready.transpose(1, 2).contiguous(), None
+    call = entry if config == "entry" else bare
+
+    def step():
+        with torch.no_grad():
+            call()
+        call()
+    for _ in range(warmup):
+        step()
+    if config == "entry" and len(called) != 2 * warmup:
+        raise SystemExit("benchmarks: transformers' sdpa_attention_forward did not call "
+                         "torch.nn.functional.scaled_dot_product_attention once a pass: run_entry would not measure it")
+    gc.collect()
+    gc.freeze()  # as run_steps
+    for _ in range(steps):
+        step()
+
+
 def count(config, mode, warmup, steps):
-    """Instructions of one process running `warmup` then `steps` steps (callgrind's total)."""
+    """Instructions of one process running `warmup` then `steps` steps (callgrind's total); `mode`
+    None: run_entry's."""
     with tempfile.TemporaryDirectory() as out:
         log = Path(out) / "callgrind.out"
         # Addresses fixed (no ASLR): dicts and the registry hash pointers, which would move the counts.
         fixed = ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
         cmd = [*fixed, "valgrind", "--tool=callgrind", f"--callgrind-out-file={log}", sys.executable, "-m",
-               "benchmarks.instructions", "--run", config, mode, str(warmup), str(steps)]
+               "benchmarks.instructions", "--run", config, mode or "entry", str(warmup), str(steps)]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
                                    "PYTHONPATH": str(ROOT)})
         totals = re.findall(r"^(?:summary|totals): (\d+)", log.read_text() if log.exists() else "", re.M)
         if done.returncode or not totals:
-            raise SystemExit(f"benchmarks: callgrind failed for {config} ({mode}):\n{done.stderr[-2000:]}")
+            raise SystemExit(f"benchmarks: callgrind failed for {config} ({mode or 'entry'}):\n{done.stderr[-2000:]}")
         return int(totals[-1])
 
 
@@ -144,13 +197,16 @@ def instructions_mode(shape, args, out):
         raise SystemExit("benchmarks: --mode instructions needs valgrind (Debian: apt-get install valgrind)")
     warmup, a, b = 3, 2, 22
     result = {"mode": "instructions", "layers": LAYERS, "steps": {"warmup": warmup, "a": a, "b": b},
-              "per_step": {}, "per_stashed_layer": {}, "against_plain": {}, "time_per_step_us": {}}
-    jobs = [(config, mode, n) for mode in ("reentrant", "non-reentrant") for config in ("plain", *configs(mode))
-            for n in (a, b)]
+              "per_step": {}, "per_stashed_layer": {}, "against_plain": {}, "time_per_step_us": {},
+              "entry_skipped_by_seed": None}
+    jobs = [(config, mode, n) for mode in ("reentrant", "non-reentrant", None)
+            for config in (("plain", *configs(mode)) if mode else ENTRY_CONFIGS) for n in (a, b)]
     for mode in ("reentrant", "non-reentrant"):
         check(mode)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # a process each
         counts = dict(zip(jobs, pool.map(lambda job: count(job[0], job[1], warmup, job[2]), jobs)))
+    entry = {config: (counts[config, None, b] - counts[config, None, a]) / (b - a) for config in ENTRY_CONFIGS}
+    result["entry_skipped_by_seed"] = entry["entry"] - entry["bare"]
     for mode in ("reentrant", "non-reentrant"):
         per_step = {config: (counts[config, m, b] - counts[config, m, a]) / (b - a)
                     for config, m, _ in jobs if m == mode}
@@ -170,6 +226,8 @@ def instructions_mode(shape, args, out):
         for design, n in designs.items():
             t = (us[f"{design}-all"] - us[f"{design}-0"]) / LAYERS
             print(f"  {mode:>13}, {design:>9}: {n:>12,.0f} instructions, {t:+8.1f} us")
+    print(f"\ntransformers' attention entry around F.sdpa, which the seed's design replaces and attnstash runs "
+          f"(run_entry): {result['entry_skipped_by_seed']:,.0f} instructions a stashed layer and step")
     print("\neach configuration against the plain step (no install), instructions a step:")
     for mode, rows in result["against_plain"].items():
         for config, n in rows.items():
@@ -182,4 +240,5 @@ def instructions_mode(shape, args, out):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--run"]:
-    run_steps(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    (run_entry(sys.argv[2], int(sys.argv[4]), int(sys.argv[5])) if sys.argv[3] == "entry" else
+     run_steps(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))

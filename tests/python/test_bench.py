@@ -346,6 +346,16 @@ def test_instructions_mode_compares_designs_that_give_the_plain_step_bitwise(mon
     assert nothing_installed() and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
 
 
+@pytest.mark.parametrize("config", ["entry", "bare"])
+def test_instructions_mode_s_entry_count_runs_transformers_entry_around_its_stand_in(config):
+    """run_entry (in a process of its own, as callgrind runs it: it replaces F.sdpa there) checks
+    that the entry it counts called its stand-in for F.sdpa once a pass."""
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-m", "benchmarks.instructions", "--run", config, "entry", "2", "1"],
+                          cwd=root, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_the_module_call_path_is_reached_as_a_module_call():
     """Host mode's two paths are what they claim: the decoder's layers through transformers' checkpoint
     function, the same layers in a plain Block as a module call."""
