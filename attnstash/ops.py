@@ -89,8 +89,8 @@ KEEP = NATIVE.keep
 dropout_p, is_causal, scale, enable_gqa). The op's dispatcher call made directly from C where
 the arguments are plain (torch_ops/python_module.cpp), else its binding: the same call either way."""
 NEW_TOKEN = NATIVE.new_token
-"""_new_token called (new_token below): its kernel from C, or its binding while a TorchFunctionMode
-is active (torch_ops/python_module.cpp), the same call either way."""
+"""_new_token called (new_token below): its kernel from C, or its binding where a mode would see the
+call (torch_ops/python_module.cpp says which), the same call either way."""
 
 
 _offload_waits = [0]

@@ -103,24 +103,24 @@ static PyObject* new_token(PyObject*, PyObject*) {
   END_HANDLE_TH_ERRORS
 }
 
-static bool set_binding(PyObject*& slot, PyObject* binding, const char* op) {
-  if (!PyCallable_Check(binding)) {
-    PyErr_Format(PyExc_TypeError, "attnstash: _C._set_bindings expects the binding of attnstash::%s, got %R", op,
-                 binding);
-    return false;
-  }
-  Py_INCREF(binding);
-  Py_XSETREF(slot, binding);
-  return true;
+static bool callable_binding(PyObject* binding, const char* op) {
+  if (PyCallable_Check(binding)) return true;
+  PyErr_Format(PyExc_TypeError, "attnstash: _C._set_bindings expects the binding of attnstash::%s, got %R", op,
+               binding);
+  return false;
 }
 
-// ops.py hands over the two ops' bindings (each an OpOverload's `_op`), for the calls above do not make.
+// ops.py hands over the two ops' bindings (each an OpOverload's `_op`), for the calls keep and
+// new_token do not make themselves; both are checked before either is set.
 static PyObject* set_bindings(PyObject*, PyObject* args) {
   PyObject *keep_binding = nullptr, *new_token_binding = nullptr;
   if (!PyArg_ParseTuple(args, "OO:_set_bindings", &keep_binding, &new_token_binding)) return nullptr;
-  if (!set_binding(boxed_keep, keep_binding, "sdpa_fwd_keep") ||
-      !set_binding(boxed_new_token, new_token_binding, "_new_token"))
+  if (!callable_binding(keep_binding, "sdpa_fwd_keep") || !callable_binding(new_token_binding, "_new_token"))
     return nullptr;
+  Py_INCREF(keep_binding);
+  Py_XSETREF(boxed_keep, keep_binding);
+  Py_INCREF(new_token_binding);
+  Py_XSETREF(boxed_new_token, new_token_binding);
   Py_RETURN_NONE;
 }
 
@@ -132,7 +132,7 @@ static PyMethodDef attnstash_methods[] = {
      "attnstash::sdpa_fwd_keep(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, "
      "enable_gqa), all ten positional: the op's binding's call, made directly where no Python semantics apply."},
     {"new_token", new_token, METH_NOARGS,
-     "attnstash::_new_token(): the op's kernel called directly, or its binding while a TorchFunctionMode is active."},
+     "attnstash::_new_token(): the op's kernel called directly, or its binding where a mode would see the call."},
     {"_set_bindings", set_bindings, METH_VARARGS,
      "Hand keep and new_token the bindings of sdpa_fwd_keep and _new_token, for the calls they do not make."},
     {nullptr, nullptr, 0, nullptr}};

@@ -51,7 +51,11 @@ def test_the_installer_s_entries_are_the_c_functions_that_fall_back_to_the_ops_b
     assert ops.KEEP is ops.NATIVE.keep
     assert ops.NEW_TOKEN is ops.NATIVE.new_token
     with pytest.raises(TypeError, match="binding of attnstash::_new_token, got 3"):
-        ops.NATIVE._set_bindings(BINDING._op, 3)
+        ops.NATIVE._set_bindings(print, 3)
+    q, *rest = arguments(False, None, False)
+    with torch.no_grad():  # a subclass goes to the keep's binding: still the op's, not print
+        assert type(ops.KEEP(q.as_subclass(Recorded), *rest)) is Recorded
+    ops.stash_clear()
 
 
 class SeenDispatch(TorchDispatchMode):
