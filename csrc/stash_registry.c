@@ -176,19 +176,23 @@ static void release_unlinked(stash_node *unlinked) {
   }
 }
 
-/* The shared body of release_if and clear: every matching record, all its references. */
-static stash_status release_matching(stash_registry *r, stash_predicate_fn predicate, void *context,
-                                     size_t *released) {
+/* The shared body of release_if, release_anchor and clear: every matching record (of the
+ * anchor `*anchor` alone, in its one chain, where anchor is not NULL), all its references. */
+static stash_status release_matching(stash_registry *r, const uintptr_t *anchor, stash_predicate_fn predicate,
+                                     void *context, size_t *released) {
   stash_node *unlinked = NULL;
   size_t count = 0;
 
   pthread_mutex_lock(&r->mutex);
-  for (size_t b = 0; b < r->bucket_count; ++b) {
+  size_t first = anchor != NULL ? bucket_of(*anchor, r->bucket_count) : 0;
+  size_t end = anchor != NULL ? first + 1 : r->bucket_count;
+  for (size_t b = first; b < end; ++b) {
     stash_node **link = &r->buckets[b];
     while (*link != NULL) {
       stash_node *node = *link;
       stash_record record = registry_record_of(node);
-      if (predicate != NULL && predicate(&record, context) == 0) {
+      if ((anchor != NULL && node->key.anchor != *anchor) ||
+          (predicate != NULL && predicate(&record, context) == 0)) {
         link = &node->next;
         continue;
       }
@@ -344,12 +348,18 @@ stash_status stash_release_id(stash_registry *registry, uint64_t id) {
 stash_status stash_release_if(stash_registry *registry, stash_predicate_fn predicate, void *context,
                               size_t *released) {
   if (registry == NULL || predicate == NULL) return STASH_ERR_ARGUMENT;
-  return release_matching(registry, predicate, context, released);
+  return release_matching(registry, NULL, predicate, context, released);
+}
+
+stash_status stash_release_anchor(stash_registry *registry, uintptr_t anchor, stash_predicate_fn predicate,
+                                  void *context, size_t *released) {
+  if (registry == NULL) return STASH_ERR_ARGUMENT;
+  return release_matching(registry, &anchor, predicate, context, released);
 }
 
 stash_status stash_clear(stash_registry *registry, size_t *released) {
   if (registry == NULL) return STASH_ERR_ARGUMENT;
-  return release_matching(registry, NULL, NULL, released);
+  return release_matching(registry, NULL, NULL, NULL, released);
 }
 
 stash_status stash_visit(stash_registry *registry, stash_visit_fn visitor, void *context) {

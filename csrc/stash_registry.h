@@ -178,6 +178,13 @@ typedef int (*stash_predicate_fn)(const stash_record *record, void *context);
 stash_status stash_release_if(stash_registry *registry, stash_predicate_fn predicate, void *context,
                               size_t *released);
 
+/* Drop every record of `anchor` (its key's anchor, whatever its version, shape and slot; all
+ * its references) for which `predicate` returns non-zero, or every one if `predicate` is NULL.
+ * Only that anchor's records are looked at (they share one chain of the table), so the cost does
+ * not grow with what other anchors hold. `released` (may be NULL) receives how many were dropped. */
+stash_status stash_release_anchor(stash_registry *registry, uintptr_t anchor, stash_predicate_fn predicate,
+                                  void *context, size_t *released);
+
 /* Drop every record. */
 stash_status stash_clear(stash_registry *registry, size_t *released);
 

@@ -26,8 +26,12 @@ void ModelRun::Step() {
     TakeOp();
   } else if (op < 800) {
     ReleaseIdOp();
-  } else if (op < 840) {
-    ReleaseIfOp();
+  } else if (op < 840) {  // (the coin is drawn only with anchor_releases: other runs' draws stay as they were)
+    if (anchor_releases_ && Pick(2) == 1) {
+      ReleaseAnchorOp();
+    } else {
+      ReleaseIfOp();
+    }
   } else if (op < 920) {  // a budget: none, some room above what is held, or under it
     int kind = Pick(4);
     uint64_t max = kind == 0   ? UINT64_MAX
@@ -289,6 +293,30 @@ void ModelRun::ReleaseIfOp() {
     }
     it = next;
   }
+  ASSERT_EQ(released, want);
+}
+
+void ModelRun::ReleaseAnchorOp() {
+  // One of RandomKey's anchors: all its records, or those of one slot.
+  const uintptr_t anchor = RandomKey().anchor;
+  const int64_t slot = Pick(3) - 1;  // -1: no predicate
+  auto in_slot = [](const stash_record *r, void *c) { return int(r->key->slot == *static_cast<int64_t *>(c)); };
+  size_t released = 99;
+  ASSERT_EQ(stash_release_anchor(reg_, anchor, slot < 0 ? nullptr : +in_slot, (void *)&slot, &released), STASH_OK);
+
+  size_t want = 0;
+  for (auto it = model_.begin(); it != model_.end();) {
+    auto next = std::next(it);
+    if (std::get<0>(it->first) == anchor && (slot < 0 || std::get<4>(it->first) == slot)) {
+      want++;
+      want_released_.insert(it->second.payload);
+      expect_.released_unused += it->second.refs;
+      coverage_.stand_ins_dropped += it->second.stand_in;
+      Unlink(it);
+    }
+    it = next;
+  }
+  coverage_.anchor_releases += want > 0;
   ASSERT_EQ(released, want);
 }
 

@@ -43,7 +43,7 @@ class ModelRun {
     int shares = 0, shares_without_retain = 0, shares_missing = 0;
     int replays = 0, shared_takes = 0, wrong_id_misses = 0, misses = 0;
     int partial_release_ids = 0, last_release_ids = 0, missing_release_ids = 0;
-    int shared_records_released_if = 0, budget_changes = 0;
+    int shared_records_released_if = 0, anchor_releases = 0, budget_changes = 0;
     // With demotion: keeps that demoted, records demoted (shared ones among them), keeps
     // refused as demoting everything possible could not make room, keeps refused as a
     // demote callback failed (stand-ins made in vain), takes and drops of stand-ins.
@@ -54,7 +54,9 @@ class ModelRun {
 
   // With `demotion`, two thirds of the entries are demotable; without it none is (their demote
   // is NULL) and no random number is drawn for it.
-  explicit ModelRun(uint64_t seed, bool demotion = false) : rng_(seed), demotion_(demotion) {
+  // With `anchor_releases`, half the release_if steps are stash_release_anchor steps instead.
+  explicit ModelRun(uint64_t seed, bool demotion = false, bool anchor_releases = false)
+      : rng_(seed), demotion_(demotion), anchor_releases_(anchor_releases) {
     EXPECT_EQ(stash_registry_create(&reg_), STASH_OK);
   }
   ~ModelRun() { Destroy(); }
@@ -140,6 +142,7 @@ class ModelRun {
   void TakeOp();
   void ReleaseIdOp();
   void ReleaseIfOp();
+  void ReleaseAnchorOp();
   void CheckAfterStep();
 
   std::mt19937_64 rng_;
@@ -154,5 +157,6 @@ class ModelRun {
   uint64_t declined_takes_ = 0;
   Coverage coverage_;
   bool demotion_ = false;
+  bool anchor_releases_ = false;
   stash_registry *reg_ = nullptr;
 };

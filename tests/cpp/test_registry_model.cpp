@@ -1,5 +1,5 @@
 // test_registry_model.cpp: random runs of the C stash registry against a std::map
-// reference model (registry_model.h), with and without demotable entries: after every
+// reference model (registry_model.h), with and without demotable entries and anchor releases: after every
 // step the statuses, outputs, callbacks, records and counters match the model, and every
 // forward is replayed, taken, released or still held.
 
@@ -34,6 +34,19 @@ TEST(StashRegistry, RandomOperationsMatchAReferenceModel) {
   EXPECT_GT(c.budget_changes, 380);
 
   // Destroy releases what the model still holds.
+  run.CheckDestroy();
+}
+
+TEST(StashRegistry, RandomOperationsWithAnchorReleasesMatchAReferenceModel) {
+  ModelRun run(20261205, true, true);
+  for (int step = 0; step < 10000; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    ASSERT_NO_FATAL_FAILURE(run.Step());
+  }
+  const ModelRun::Coverage &c = run.coverage();
+  EXPECT_GT(c.anchor_releases, 100);
+  EXPECT_GT(c.shared_records_released_if, 90);
+  EXPECT_GT(c.stand_ins_dropped, 220);
   run.CheckDestroy();
 }
 

@@ -1,5 +1,5 @@
 // test_registry_release.cpp: releasing records of the C stash registry: stash_release_if
-// by anchor or by predicate, stash_clear, destroy, references handed out (never released),
+// by anchor or by predicate, stash_release_anchor, stash_clear, destroy, references handed out (never released),
 // null release callbacks, and release callbacks that call back into the registry.
 
 #include "registry_test_support.h"
@@ -133,6 +133,50 @@ TEST(StashRegistry, ReleaseIfDropsWholeSharedRecordsCountingEveryReference) {
   EXPECT_EQ(s.released_unused, 3u);
   EXPECT_EQ(s.records, 1u);
   EXPECT_EQ(s.bytes, 16u);
+}
+
+TEST(StashRegistry, ReleaseAnchorReleasesThatAnchorsRecordsLookingAtNoOther) {
+  const uintptr_t target = 0xc400;
+  std::vector<stash_key> target_keys = {MakeKey(target, 0, {1, 2}, 0), MakeKey(target, 1, {1, 2}, 0),
+                                        MakeKey(target, 0, {1, 2}, 1), MakeKey(target, 0, {4}, 0),
+                                        MakeKey(target, 7, {}, 3)};
+  std::deque<Payload> tp(target_keys.size()), op(600);  // enough others for the table to grow
+  Registry reg;
+  for (size_t i = 0; i < target_keys.size(); ++i) Keep(reg.get(), target_keys[i], EntryFor(tp[i]));
+  for (size_t i = 0; i < op.size(); ++i) {
+    op[i].bytes = 1;
+    Keep(reg.get(), MakeKey(target + 16 * (i + 1), 0, {1, 2}, int64_t(i % 4)), EntryFor(op[i]));
+  }
+
+  struct Ctx {
+    int64_t slot;
+    int calls;
+  } ctx{0, 0};
+  auto in_slot = [](const stash_record *r, void *c) {
+    auto *ctx = static_cast<Ctx *>(c);
+    ctx->calls++;
+    EXPECT_EQ(r->key->anchor, 0xc400u);
+    return int(r->key->slot == ctx->slot);
+  };
+  size_t released = 99;
+  ASSERT_EQ(stash_release_anchor(reg.get(), target, in_slot, &ctx, &released), STASH_OK);
+  EXPECT_EQ(ctx.calls, int(target_keys.size()));  // the anchor's records only
+  EXPECT_EQ(released, 3u);
+  for (size_t i = 0; i < tp.size(); ++i) EXPECT_EQ(tp[i].releases.load(), target_keys[i].slot == 0 ? 1 : 0) << i;
+
+  ASSERT_EQ(stash_release_anchor(reg.get(), target, nullptr, nullptr, &released), STASH_OK);  // the rest of it
+  EXPECT_EQ(released, 2u);
+  for (auto &p : tp) EXPECT_EQ(p.releases.load(), 1);
+  for (auto &p : op) EXPECT_EQ(p.releases.load(), 0);
+  EXPECT_EQ(Stats(reg.get()).records, op.size());
+  EXPECT_EQ(Stats(reg.get()).released_unused, target_keys.size());
+
+  ASSERT_EQ(stash_release_anchor(reg.get(), target, nullptr, nullptr, &released), STASH_OK);
+  EXPECT_EQ(released, 0u);  // nothing left under it
+  ASSERT_EQ(stash_release_anchor(reg.get(), target + 16, nullptr, nullptr, nullptr), STASH_OK);
+  EXPECT_EQ(op[0].releases.load(), 1);
+  EXPECT_EQ(op[1].releases.load(), 0);
+  EXPECT_EQ(stash_release_anchor(nullptr, target, nullptr, nullptr, &released), STASH_ERR_ARGUMENT);
 }
 
 TEST(StashRegistry, ClearReleasesEverythingAndTheRegistryStaysUsable) {
@@ -283,23 +327,30 @@ TEST(StashRegistry, ReleaseCallbackMayCallBackIntoTheRegistryWithoutDeadlock) {
   EXPECT_EQ(payload.keep_status, STASH_OK);
   EXPECT_EQ(Stats(reg.get()).records, 1u);
 
-  // release_if and clear re-enter as well.
+  // release_if, release_anchor and clear re-enter as well.
   payload.keep_replacement = true;
   payload.replacement_anchor = 0x30;
   auto all = [](const stash_record *, void *) { return 1; };
   ASSERT_EQ(stash_release_if(reg.get(), all, nullptr, nullptr), STASH_OK);
   EXPECT_EQ(payload.releases, 2);
   EXPECT_EQ(payload.keep_status, STASH_OK);
-  ASSERT_EQ(stash_clear(reg.get(), nullptr), STASH_OK);
+  payload.keep_replacement = true;
+  payload.replacement_anchor = 0x38;
+  size_t released = 0;
+  ASSERT_EQ(stash_release_anchor(reg.get(), 0x30, nullptr, nullptr, &released), STASH_OK);
+  EXPECT_EQ(released, 1u);
   EXPECT_EQ(payload.releases, 3);
-  EXPECT_EQ(payload.seen.released_unused, 4u);
+  EXPECT_EQ(payload.keep_status, STASH_OK);
+  ASSERT_EQ(stash_clear(reg.get(), nullptr), STASH_OK);
+  EXPECT_EQ(payload.releases, 4);
+  EXPECT_EQ(payload.seen.released_unused, 5u);
 
   // Destroy clears too; a record kept by a callback during destroy is released as well.
   payload.keep_replacement = true;
   payload.replacement_anchor = 0x40;
   Keep(reg.get(), MakeKey(0x50, 0, {}, 0), stash_entry{&payload, 8, nullptr, ReentrantRelease});
   reg.Destroy();
-  EXPECT_EQ(payload.releases, 5);
+  EXPECT_EQ(payload.releases, 6);
 }
 
 }  // namespace
