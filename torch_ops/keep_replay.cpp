@@ -294,6 +294,7 @@ KeptForward keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t sl
   call.scale = c.scale;
   call.enable_gqa = c.enable_gqa;
   call.anchor_storage = c10::weak_intrusive_ptr<c10::StorageImpl>(anchor.storage().getWeakStorageImpl());
+  call.on_token = records::is_token(anchor);
   call.non_reentrant = non_reentrant;
   KeptAttention attention = run_forward(backend, c);
   record->state = Kept{attention, static_cast<int64_t>(attention.output._version())};

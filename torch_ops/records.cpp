@@ -4,6 +4,7 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -61,6 +62,29 @@ void release_records_if(F f) {
   stash_release_if(
       registry(), [](const stash_record* r, void* ctx) { return static_cast<int>((*static_cast<F*>(ctx))(*r)); },
       &f, nullptr);
+}
+
+// The records of one anchor for which f returns true: stash_release_anchor's lambda form.
+template <class F>
+void release_anchor_records_if(uintptr_t anchor, F f) {
+  stash_release_anchor(
+      registry(), anchor,
+      [](const stash_record* r, void* ctx) { return static_cast<int>((*static_cast<F*>(ctx))(*r)); }, &f, nullptr);
+}
+
+// How many times a record not anchored on a token was stored (or a token's deleter failed)
+// since release_freed last found no such record held: while 0, no record can outlive its
+// anchor's memory (a token's deleter releases its own), and release_freed has nothing to do.
+std::atomic<uint64_t> awaiting_release_freed{0};
+
+// A token's memory, freed with the token: every record still under it goes with it.
+void free_token(void* cell) {
+  try {
+    stash_release_anchor(registry(), reinterpret_cast<uintptr_t>(cell), nullptr, nullptr, nullptr);
+  } catch (...) {  // (a deleter must not throw; release_freed takes what is left)
+    awaiting_release_freed.fetch_add(1);
+  }
+  delete static_cast<float*>(cell);
 }
 
 const Payload& payload_of(const stash_record& r) { return *static_cast<const Payload*>(r.entry->payload); }
@@ -125,6 +149,7 @@ Stored store(const stash_key& key, const PayloadPtr& payload) {
     s = stash_decline(registry(), &key, entry_for(payload), &stored.id);
   }
   if (s != STASH_OK) c10::raw::intrusive_ptr::decref(payload.get());
+  if (s == STASH_OK && !payload->call.on_token) awaiting_release_freed.fetch_add(1);  // (after the store)
   if (s == STASH_ERR_DUPLICATE) {
     stored.duplicate = true;
     stored.id = 0;
@@ -156,30 +181,38 @@ Taken peek(const stash_key& key) {
 bool release(int64_t id) { return id > 0 && stash_release_id(registry(), static_cast<uint64_t>(id)) == STASH_OK; }
 
 void release_freed() {
-  release_records_if([](const stash_record& r) { return payload_of(r).call.anchor_storage.expired(); });
+  const uint64_t seen = awaiting_release_freed.load();
+  if (seen == 0) return;
+  size_t waiting = 0;  // records left that are not on a token
+  release_records_if([&waiting](const stash_record& r) {
+    const CallSignature& call = payload_of(r).call;
+    if (call.anchor_storage.expired()) return true;
+    waiting += !call.on_token;
+    return false;
+  });
+  // None left, and none stored (nor a deleter failed) since `seen` was read: nothing to look for.
+  uint64_t expected = seen;
+  if (waiting == 0) awaiting_release_freed.compare_exchange_strong(expected, 0);
+}
+
+bool is_token(const at::Tensor& anchor) {
+  return anchor.has_storage() && anchor.storage().data_ptr().get_deleter() == &free_token;
 }
 
 at::Tensor new_token() {
-  auto free_token = [](void* cell) {
-    try {
-      const auto anchor = reinterpret_cast<uintptr_t>(cell);
-      release_records_if([anchor](const stash_record& r) { return r.key->anchor == anchor; });
-    } catch (...) {  // (a deleter must not throw; release_freed takes what is left)
-    }
-    delete static_cast<float*>(cell);
-  };
-  at::Tensor token = at::from_blob(new float(0.f), {}, free_token, at::TensorOptions().dtype(at::kFloat));
+  auto* cell = new float(0.f);
+  at::Tensor token = at::for_blob(cell, {}).context(cell, &free_token).options(at::dtype(at::kFloat)).make_tensor();
   token.set_requires_grad(true);
   return token;
 }
 
 std::vector<std::pair<int64_t, std::string>> release_stale(const stash_key& key) {
   std::vector<std::pair<int64_t, std::string>> stale;
-  auto same_slot = [&](const stash_record& r) { return r.key->anchor == key.anchor && r.key->slot == key.slot; };
-  visit_records([&](const stash_record& r) {
-    if (same_slot(r)) stale.emplace_back(r.key->version, shape_str(*r.key));
+  release_anchor_records_if(key.anchor, [&](const stash_record& r) {
+    if (r.key->slot != key.slot) return false;
+    stale.emplace_back(r.key->version, shape_str(*r.key));
+    return true;
   });
-  if (!stale.empty()) release_records_if(same_slot);
   return stale;
 }
 

@@ -51,6 +51,9 @@ struct CallSignature {
   // the same version and shape; comparing storages (which a weak reference keeps from being
   // reused) tells them apart.
   c10::weak_intrusive_ptr<c10::StorageImpl> anchor_storage{c10::intrusive_ptr<c10::StorageImpl>()};
+  // The anchor is a token (records::new_token), whose freeing releases the record: only a record
+  // anchored on anything else waits for records::release_freed.
+  bool on_token = false;
   // Kept behind its first forward's own node (non-reentrant checkpointing): the recompute only
   // refills what that node saved, and the node's backward takes the record.
   bool non_reentrant = false;
@@ -129,8 +132,12 @@ Taken peek(const stash_key& key);
 // Release one forward's reference of record `id`; false if it is not held.
 bool release(int64_t id);
 
-// Release every record whose anchor storage has been freed. Called by both ops on entry.
+// Release every record whose anchor storage has been freed. Called by both ops on entry; it
+// looks through the registry only while a record not anchored on a token may be held.
 void release_freed();
+
+// Whether `anchor` is a token made by new_token.
+bool is_token(const at::Tensor& anchor);
 
 // A token: what a caller anchors one checkpoint call's forwards on in place of the layer input
 // (schemas.cpp, anchor): a 0-dim CPU float tensor that requires grad, whose memory, as it is
@@ -140,7 +147,7 @@ at::Tensor new_token();
 
 // Every record under this anchor pointer and slot whatever its version and shape, as
 // (version, shape) strings for a diagnosis, after releasing them (they can never be
-// matched again: versions only grow, shapes are fixed).
+// matched again: versions only grow, shapes are fixed). Looks at that anchor's records only.
 std::vector<std::pair<int64_t, std::string>> release_stale(const stash_key& key);
 
 // The counters by name (STASH_STATS_FIELDS), for attnstash.stash_stats().

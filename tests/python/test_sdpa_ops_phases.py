@@ -172,6 +172,28 @@ def test_records_of_a_freed_anchor_are_released_by_the_next_call_or_stats_and_ne
     assert attnstash.stash_stats()["records"] == 0
 
 
+def test_freed_input_anchors_are_released_whatever_tokens_kept_and_released_between():
+    """release_freed looks through the registry only while a record not on a token may be held
+    (records.cpp): after it has found none, a new input anchor's record, once that input is
+    freed, is still released by the next call; token records go with their tokens throughout."""
+    q, k, v = qkv(torch.float32, 4, 4, 16)
+    for _ in range(2):
+        anchor, token = anchor_for(q), ops.new_token()
+        with torch.no_grad():
+            ops.sdpa_fwd_keep(q, k, v, anchor, 0)
+            ops.sdpa_fwd_keep(q, k, v, token, 1)
+        assert attnstash.stash_stats()["records"] == 2  # both alive: nothing released
+        del anchor
+        gc.collect()
+        assert sorted(ops.held_by_slot()) == [0, 1]  # held_by_slot releases nothing itself
+        assert attnstash.stash_stats()["records"] == 1  # the freed input's record, released
+        del token
+        assert ops.held_ids() == []
+        with torch.no_grad():  # tokens alone: kept and released with their tokens
+            ops.sdpa_fwd_keep(q, k, v, ops.new_token(), 0)
+        assert ops.held_ids() == []
+
+
 def test_stash_clear_releases_everything():
     q, k, v = qkv(torch.float32, 4, 4, 64)
     anchors = [anchor_for(q) for _ in range(3)]
