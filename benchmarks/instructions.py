@@ -13,7 +13,9 @@ over b - a steps is one step's instructions, start-up and warm-up cancelled. Per
 decoy model's install leaves it; the seed: its wrapper of the "sdpa" entry). The plain step (no
 install) is counted too: each configuration against it is what its install costs in all, the
 router's and the wrapper's passes on the path where nothing is kept included. So is what the seed's
-design skips by replacing transformers' attention entry (run_entry). Losses and gradients of every
+design skips by replacing transformers' attention entry (run_entry), and what one layer's ops
+cost with no other record held and with 256 held (run_held: the registry's work per record held).
+Losses and gradients of every
 configuration are checked bitwise against the plain run's in one process first.
 
     python -m benchmarks --mode instructions            (about 28 minutes on 2 cores)
@@ -152,21 +154,57 @@ def run_entry(config, warmup, steps):
         step()
 
 
-def count(config, mode, warmup, steps):
-    """Instructions of one process running `warmup` then `steps` steps (callgrind's total); `mode`
-    None: run_entry's."""
+HELD = 256
+HELD_CONFIGS = ("held-0", f"held-{HELD}")
+
+
+def run_held(config, warmup, steps):
+    """What one stashed layer's ops cost as the records of other layers grow (`held-N`: N
+    records held, as N layers' first forwards awaiting their recompute would hold them). A step
+    is one layer's reentrant checkpoint on the ops alone: its keep on a fresh token, its
+    recompute's replay, the token freed with the graph (which releases what is left under it)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from attnstash import ops
+    torch.set_num_threads(1)
+    x = torch.randn(1, 2, 16, 16, requires_grad=True)
+    held = [ops.new_token() for _ in range(int(config.partition("-")[2]))]
+    with torch.no_grad():
+        for token in held:
+            ops.KEEP(x, x, x, token, 0, None, 0.0, False, None, False)
+
+    def layer(x, token):
+        return ops.KEEP(x, x, x, token, 0, None, 0.0, False, None, False)
+
+    def step():
+        checkpoint(layer, x, ops.NEW_TOKEN(), use_reentrant=True).sum().backward()
+    for _ in range(warmup):
+        step()
+    stats = attnstash.stash_stats()
+    if stats["records"] != len(held) or stats["replays"] != warmup:
+        raise SystemExit(f"benchmarks: run_held's step did not keep and replay once, leaving {len(held)} records "
+                         f"held: {stats}")
+    gc.collect()
+    gc.freeze()  # as run_steps
+    for _ in range(steps):
+        step()
+
+
+def count(config, kind, warmup, steps):
+    """Instructions of one process running `warmup` then `steps` steps (callgrind's total); `kind`
+    a checkpointing mode (run_steps), "entry" (run_entry) or "held" (run_held)."""
     with tempfile.TemporaryDirectory() as out:
         log = Path(out) / "callgrind.out"
         # Addresses fixed (no ASLR): dicts and the registry hash pointers, which would move the counts.
         fixed = ["setarch", os.uname().machine, "-R"] if shutil.which("setarch") else []
         cmd = [*fixed, "valgrind", "--tool=callgrind", f"--callgrind-out-file={log}", sys.executable, "-m",
-               "benchmarks.instructions", "--run", config, mode or "entry", str(warmup), str(steps)]
+               "benchmarks.instructions", "--run", config, kind, str(warmup), str(steps)]
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0",
                                    "PYTHONPATH": str(ROOT)})
         totals = re.findall(r"^(?:summary|totals): (\d+)", log.read_text() if log.exists() else "", re.M)
         if done.returncode or not totals:
-            raise SystemExit(f"benchmarks: callgrind failed for {config} ({mode or 'entry'}):\n{done.stderr[-2000:]}")
+            raise SystemExit(f"benchmarks: callgrind failed for {config} ({kind}):\n{done.stderr[-2000:]}")
         return int(totals[-1])
 
 
@@ -198,15 +236,19 @@ def instructions_mode(shape, args, out):
     warmup, a, b = 3, 2, 22
     result = {"mode": "instructions", "layers": LAYERS, "steps": {"warmup": warmup, "a": a, "b": b},
               "per_step": {}, "per_stashed_layer": {}, "against_plain": {}, "time_per_step_us": {},
-              "entry_skipped_by_seed": None}
-    jobs = [(config, mode, n) for mode in ("reentrant", "non-reentrant", None)
-            for config in (("plain", *configs(mode)) if mode else ENTRY_CONFIGS) for n in (a, b)]
+              "entry_skipped_by_seed": None, "held": None}
+    kinds = {"reentrant": ("plain", *configs("reentrant")), "non-reentrant": ("plain", *configs("non-reentrant")),
+             "entry": ENTRY_CONFIGS, "held": HELD_CONFIGS}
+    jobs = [(config, kind, n) for kind, names in kinds.items() for config in names for n in (a, b)]
     for mode in ("reentrant", "non-reentrant"):
         check(mode)
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # a process each
         counts = dict(zip(jobs, pool.map(lambda job: count(job[0], job[1], warmup, job[2]), jobs)))
-    entry = {config: (counts[config, None, b] - counts[config, None, a]) / (b - a) for config in ENTRY_CONFIGS}
+    entry = {config: (counts[config, "entry", b] - counts[config, "entry", a]) / (b - a) for config in ENTRY_CONFIGS}
     result["entry_skipped_by_seed"] = entry["entry"] - entry["bare"]
+    held = {config: (counts[config, "held", b] - counts[config, "held", a]) / (b - a) for config in HELD_CONFIGS}
+    result["held"] = {"records": HELD, "per_step": held,
+                      "per_held_record": (held[HELD_CONFIGS[1]] - held[HELD_CONFIGS[0]]) / HELD}
     for mode in ("reentrant", "non-reentrant"):
         per_step = {config: (counts[config, m, b] - counts[config, m, a]) / (b - a)
                     for config, m, _ in jobs if m == mode}
@@ -228,6 +270,9 @@ def instructions_mode(shape, args, out):
             print(f"  {mode:>13}, {design:>9}: {n:>12,.0f} instructions, {t:+8.1f} us")
     print(f"\ntransformers' attention entry around F.sdpa, which the seed's design replaces and attnstash runs "
           f"(run_entry): {result['entry_skipped_by_seed']:,.0f} instructions a stashed layer and step")
+    print(f"\none layer's keep, replay and token on the ops alone (run_held): {held[HELD_CONFIGS[0]]:,.0f} "
+          f"instructions with no other record held, {held[HELD_CONFIGS[1]]:,.0f} with {HELD} held "
+          f"({result['held']['per_held_record']:+,.1f} a record held)")
     print("\neach configuration against the plain step (no install), instructions a step:")
     for mode, rows in result["against_plain"].items():
         for config, n in rows.items():
@@ -240,5 +285,6 @@ def instructions_mode(shape, args, out):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--run"]:
-    (run_entry(sys.argv[2], int(sys.argv[4]), int(sys.argv[5])) if sys.argv[3] == "entry" else
+    runner = {"entry": run_entry, "held": run_held}.get(sys.argv[3])
+    (runner(sys.argv[2], int(sys.argv[4]), int(sys.argv[5])) if runner else
      run_steps(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))

@@ -356,6 +356,19 @@ def test_instructions_mode_s_entry_count_runs_transformers_entry_around_its_stan
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.parametrize("config", ["held-0", "held-3"])
+def test_instructions_mode_s_held_count_keeps_and_replays_once_a_step_with_others_held(config):
+    """run_held (a process of its own, as callgrind runs it) checks that its step kept and replayed
+    once and left the other records held; their tokens go with run_held, and their records with them."""
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys, attnstash; from benchmarks.instructions import run_held; "
+            f"run_held({config!r}, 2, 1); print(attnstash.stash_stats()['records'])")
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["0"]
+
+
 def test_the_module_call_path_is_reached_as_a_module_call():
     """Host mode's two paths are what they claim: the decoder's layers through transformers' checkpoint
     function, the same layers in a plain Block as a module call."""
