@@ -3,6 +3,7 @@
 Typed wrappers with their contracts, the stash's Python API, and the fake kernels that
 let torch.compile and FakeTensor trace the ops.
 """
+import enum
 from typing import NamedTuple, Optional
 
 import torch
@@ -69,10 +70,9 @@ def sdpa_replay(query, key, value, anchor, slot: int, attn_mask=None, dropout_p:
 
 
 def _entry(packet):
-    """An op's C++ entry, what its OpOverload calls (torch._ops.OpOverload.__call__ calls `_op`):
-    the installer's hot path calls it positionally, without the two Python frames of the packet
-    and the overload (a keyword argument costs the binding more than a positional one). Where a
-    torch release names it otherwise, the overload itself, which is the same call."""
+    """An op's C++ entry, what its OpOverload calls (torch._ops.OpOverload.__call__ calls `_op`),
+    without the two Python frames of the packet and the overload. Where a torch release names it
+    otherwise, the overload itself, which is the same call."""
     overload = packet.default
     return getattr(overload, "_op", overload)
 
@@ -83,14 +83,46 @@ def _entry(packet):
 inside_backward = NATIVE.inside_backward
 saved_tensor_hooks_pushed = NATIVE.saved_tensor_hooks_pushed
 
-NATIVE._set_bindings(_entry(_ops.sdpa_fwd_keep), _entry(_ops._new_token))
-KEEP = NATIVE.keep
-"""sdpa_fwd_keep called positionally, all ten: (query, key, value, anchor, slot, attn_mask,
-dropout_p, is_causal, scale, enable_gqa). The op's dispatcher call made directly from C where
-the arguments are plain (torch_ops/python_module.cpp), else its binding: the same call either way."""
+NATIVE._set_token_binding(_entry(_ops._new_token))
 NEW_TOKEN = NATIVE.new_token
 """_new_token called (new_token below): its kernel from C, or its binding where a mode would see the
 call (torch_ops/python_module.cpp says which), the same call either way."""
+
+
+# The frames the installer opens around each forward of a stashed layer: inside one that keeps,
+# aten::scaled_dot_product_attention goes to sdpa_fwd_keep (torch_ops/frames.h states the rule).
+frame_open = NATIVE.frame_open
+"""(anchor, slot_base, limit, keep, collect, random, random_input): open a frame on this thread,
+inside those open on it. `limit` -1 for none; `random` a RandomCheck; `random_input` the layer
+input whose device's random state a note or refuse check starts from (else None)."""
+frame_close = NATIVE.frame_close
+"""() -> (calls, ids or None, noted, failure or None): close this thread's innermost frame. `ids`:
+the records its calls kept (opened with `collect`); `noted`: a call noted a random state on its
+record; `failure`: (Failure, message, dropout_p) of the call it refused."""
+frame_depth = NATIVE.frame_depth
+"""How many frames are open on this thread."""
+set_compiled_attention = NATIVE._set_compiled_attention
+"""(fn): the installer's hook for compiled frames, fn(query, key, value, attn_mask, dropout_p,
+is_causal, scale, enable_gqa) -> Tensor or None (torch_ops/frames.h, CompiledAttention)."""
+set_compiled_frames = NATIVE.set_compiled_frames
+"""(count): how many compiled frames this thread has open."""
+
+
+class RandomCheck(enum.IntEnum):
+    """What a frame checks of the random state before each call (torch_ops/frames.h, RandomCheck;
+    install/random_state.py says when each applies)."""
+    none = 0
+    note = 1
+    refuse = 2
+    check = 3
+
+
+class Failure(enum.IntEnum):
+    """Why a frame refused a call (torch_ops/frames.h, Failure)."""
+    none = 0
+    op = 1
+    limit = 2
+    random_state = 3
 
 
 _offload_waits = [0]

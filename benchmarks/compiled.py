@@ -19,6 +19,7 @@ import torch._dynamo
 from torch.profiler import ProfilerActivity, profile
 
 import attnstash
+from attnstash.install import compiled as compiled_frames
 
 from .harness import ATTENTION, environment, interleave, median_ms
 from attnstash import backends
@@ -30,23 +31,31 @@ FORWARD_EVENTS = {f"aten::{row.forward_op.name().split('::')[1].split('.')[0]}"
 
 class Counting:
     """A torch.compile backend that counts the graphs it is given and their call nodes (their
-    subgraphs' included), then compiles them with `backend` ("aot_eager" or "inductor")."""
+    subgraphs' included), apart from the compiled frames' markers (`markers`: the nodes of
+    attnstash.install.compiled's _frame_open and _frame_close, which AOT autograd does not
+    record), then compiles them with `backend` ("aot_eager" or "inductor")."""
 
     def __init__(self, backend="inductor"):
-        self.backend, self.graphs, self.nodes = backend, 0, 0
+        self.backend, self.graphs, self.nodes, self.markers = backend, 0, 0, 0
 
     def __call__(self, gm, example_inputs):
         self.graphs += 1
-        self.nodes += _call_nodes(gm)
+        nodes = _call_nodes(gm)
+        markers = _call_nodes(gm, lambda node: node.target in MARKERS)
+        self.nodes += nodes - markers
+        self.markers += markers
         if self.backend == "inductor":
             from torch._inductor.compile_fx import compile_fx
             return compile_fx(gm, example_inputs)
         return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
 
-def _call_nodes(gm):
-    count = sum(1 for node in gm.graph.nodes if node.op.startswith("call"))
-    return count + sum(_call_nodes(sub) for sub in gm.children() if isinstance(sub, torch.fx.GraphModule))
+MARKERS = (compiled_frames._frame_open, compiled_frames._frame_close)
+
+
+def _call_nodes(gm, which=lambda node: True):
+    count = sum(1 for node in gm.graph.nodes if node.op.startswith("call") and which(node))
+    return count + sum(_call_nodes(sub, which) for sub in gm.children() if isinstance(sub, torch.fx.GraphModule))
 
 
 def attention_forwards(step):

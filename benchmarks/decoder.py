@@ -2,7 +2,7 @@
 
 model      one training step (forward + backward) of the whole decoder per configuration: no
            checkpointing; reentrant (the reference); reentrant with the stash on 0 layers
-           (installed on another model: the router's cost); reentrant + the stash on the last k
+           (installed on another model: what an install costs the others); reentrant + the stash on the last k
            layers (--stash-points); + the stash on every layer under each --max-bytes budget (its
            peak asserted never above it); SAC; non-reentrant with and without the stash. --pad:
            left-padded batches (4-D masks).

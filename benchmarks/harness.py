@@ -46,8 +46,8 @@ ATTENTION = "attention forward alone"
 @dataclasses.dataclass(frozen=True)
 class Config:
     """checkpointing: "none", "reentrant", "non-reentrant" or "sac"; stash: None (no stash), k
-    (the last k attention layers), 0 (installed on another model only: F.sdpa is attnstash's
-    router, this model has no stash); budget: a max_bytes as written ("2.2MB"); offload: the
+    (the last k attention layers), 0 (installed on another model only: transformers' layer class
+    carries the checkpoint function's stand-in, this model has no stash); budget: a max_bytes as written ("2.2MB"); offload: the
     stash's own offload (install_attention_stash(offload=True))."""
     checkpointing: str
     stash: Optional[int] = None

@@ -9,10 +9,11 @@ its own process under `valgrind --tool=callgrind` (addresses fixed: setarch -R, 
 once for `warmup + a` and once for
 `warmup + b` steps, the collector's state frozen after the warm-up (run_steps): the difference
 over b - a steps is one step's instructions, start-up and warm-up cancelled. Per stashed layer: (the stash on every layer - on 0 layers) / layers, where
-"0 layers" is each design installed with nothing to keep (attnstash: its router in place, as a
-decoy model's install leaves it; the seed: its wrapper of the "sdpa" entry). The plain step (no
-install) is counted too: each configuration against it is what its install costs in all, the
-router's and the wrapper's passes on the path where nothing is kept included. So is what the seed's
+"0 layers" is each design installed with nothing to keep (attnstash: installed on a decoy model;
+the seed: its wrapper of the "sdpa" entry). The plain step (no install) is counted too: each
+configuration against it is what its install costs in all, the wrapper's passes on the path
+where nothing is kept included (attnstash's kernel on aten::scaled_dot_product_attention is on
+the op in every configuration, the plain step's included: attnstash is imported). So is what the seed's
 design skips by replacing transformers' attention entry (run_entry), and what one layer's ops
 cost with no other record held and with 256 held (run_held: the registry's work per record held).
 Losses and gradients of every
@@ -59,7 +60,7 @@ def build(config, mode):
     design, _, layers = config.partition("-")
     undo = lambda: None  # noqa: E731
     if design == "attnstash":
-        stashed = model if layers == "all" else decoy()  # 0 layers: the router in place, nothing of this model
+        stashed = model if layers == "all" else decoy()  # 0 layers: an install elsewhere, nothing of this model
         attnstash.install_attention_stash(stashed, None if layers == "all" else 1)
         undo = functools.partial(attnstash.uninstall_attention_stash, stashed)
     elif design == "seed":
@@ -166,15 +167,16 @@ def run_held(config, warmup, steps):
     from torch.utils.checkpoint import checkpoint
 
     from attnstash import ops
+    KEEP = torch.ops.attnstash.sdpa_fwd_keep.default._op  # (the op's binding, positionally)
     torch.set_num_threads(1)
     x = torch.randn(1, 2, 16, 16, requires_grad=True)
     held = [ops.new_token() for _ in range(int(config.partition("-")[2]))]
     with torch.no_grad():
         for token in held:
-            ops.KEEP(x, x, x, token, 0, None, 0.0, False, None, False)
+            KEEP(x, x, x, token, 0, None, 0.0, False, None, False)
 
     def layer(x, token):
-        return ops.KEEP(x, x, x, token, 0, None, 0.0, False, None, False)
+        return KEEP(x, x, x, token, 0, None, 0.0, False, None, False)
 
     def step():
         checkpoint(layer, x, ops.NEW_TOKEN(), use_reentrant=True).sum().backward()

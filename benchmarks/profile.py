@@ -10,7 +10,7 @@ Per configuration and step (ms), from torch.profiler's key_averages() (every op 
 self CPU and device time; its table goes into profile.md) and event tree (prof.events(): parents,
 and each kernel's launch by correlation id): host_ms and device_ms, the self CPU time of every op
 in the step and the device time of the kernels each launched, by class (attention forward or
-backward: the innermost aten attention op around it; attnstash: inside an attnstash op; other);
+backward, or attnstash: the innermost aten attention op or attnstash op around it; other);
 attnstash_ops; gpu: span, busy (the union of kernel intervals) and idle (span - busy) of the
 kernels launched in the step and in the recompute; step_ms, the bench:step range's wall time.
 Comparisons: every key_averages row side by side, and the accounting: the measured step
@@ -57,14 +57,16 @@ def mark_recompute(layer):
 
 
 def kind(event):
-    """The class of an op's time (see the module docstring), from its ancestors."""
-    stash = False
+    """The class of an op's time (see the module docstring), from its innermost ancestor that is
+    an aten attention op or an attnstash op (a stashed layer's aten::scaled_dot_product_attention
+    calls attnstash::sdpa_fwd_keep, which calls the fused attention op in a first forward)."""
     while event is not None:
+        if event.name.startswith("attnstash::"):
+            return "attnstash"
         if event.name.startswith("aten::") and "attention" in event.name:
             return "attention backward" if "backward" in event.name else "attention forward"
-        stash = stash or event.name.startswith("attnstash::")
         event = event.cpu_parent
-    return "attnstash" if stash else "other"
+    return "other"
 
 
 def span_and_busy(intervals):

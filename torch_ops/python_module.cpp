@@ -1,14 +1,18 @@
 // python_module.cpp: `import attnstash._C` loads this library, which registers the
-// ops (schemas.cpp and the sdpa_*.cpp kernels) by static initialisation. No pybind: its
-// functions are plain CPython ones, the cheapest call Python has, for the installer's hot path.
+// ops (schemas.cpp, the sdpa_*.cpp kernels and frames.cpp's kernel of aten's) by static
+// initialisation. No pybind: its functions are plain CPython ones, the cheapest call Python has,
+// for the installer's hot path.
 #include <Python.h>
 
 #include <ATen/PythonTorchFunctionTLS.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <algorithm>
+#include <iterator>
+
+#include "frames.h"
 #include "keep_replay.h"
 #include "records.h"
 
@@ -21,60 +25,6 @@ static PyObject* inside_backward(PyObject*, PyObject*) { return PyBool_FromLong(
 
 static PyObject* saved_tensor_hooks_pushed(PyObject*, PyObject*) {
   return PyBool_FromLong(attnstash::saved_tensor_hooks_pushed());
-}
-
-// ---- keep: attnstash::sdpa_fwd_keep called positionally, as the installer's frames call it ----
-// The same dispatcher call as the op's Python binding (torch.ops.attnstash.sdpa_fwd_keep), made
-// without turning the arguments into a boxed stack and back. Only for what needs no Python
-// semantics: exact tensors (torch.Tensor or Parameter, no subclass), Python's own int, float,
-// bool and None, and no TorchFunctionMode active. Any other call goes to `boxed_keep`, the
-// binding itself (ops.py hands it over: set_bindings), so that every call behaves as the binding's would:
-// __torch_function__, conversions and the binding's own errors included.
-static PyObject* boxed_keep = nullptr;
-
-static bool plain_tensor(PyObject* o) { return THPVariable_CheckExact(o); }
-
-static PyObject* keep(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  const bool direct = nargs == 10 && !at::impl::torch_function_mode_enabled() && plain_tensor(args[0]) &&
-                      plain_tensor(args[1]) && plain_tensor(args[2]) && plain_tensor(args[3]) &&
-                      PyLong_CheckExact(args[4]) && (args[5] == Py_None || plain_tensor(args[5])) &&
-                      PyFloat_CheckExact(args[6]) && PyBool_Check(args[7]) &&
-                      (args[8] == Py_None || PyFloat_CheckExact(args[8])) && PyBool_Check(args[9]);
-  int overflow = 0;
-  const long long slot = direct ? PyLong_AsLongLongAndOverflow(args[4], &overflow) : 0;
-  if (!direct || overflow != 0) {
-    if (boxed_keep == nullptr) {
-      PyErr_SetString(PyExc_RuntimeError, "attnstash: _C.keep called before attnstash.ops handed it the op's binding");
-      return nullptr;
-    }
-    return PyObject_Vectorcall(boxed_keep, args, nargs, nullptr);
-  }
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("attnstash::sdpa_fwd_keep", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                            const std::optional<at::Tensor>&, double, bool, std::optional<double>, bool)>();
-  const std::optional<at::Tensor> mask =
-      args[5] == Py_None ? std::nullopt : std::optional<at::Tensor>(THPVariable_Unpack(args[5]));
-  const std::optional<double> scale =
-      args[8] == Py_None ? std::nullopt : std::optional<double>(PyFloat_AS_DOUBLE(args[8]));
-  at::Tensor out;
-  {
-    // As the binding does: the GIL released while the op runs (other threads' Python runs).
-    PyThreadState* released = PyEval_SaveThread();
-    try {
-      out = op.call(THPVariable_Unpack(args[0]), THPVariable_Unpack(args[1]), THPVariable_Unpack(args[2]),
-                    THPVariable_Unpack(args[3]), slot, mask, PyFloat_AS_DOUBLE(args[6]), args[7] == Py_True, scale,
-                    args[9] == Py_True);
-    } catch (...) {
-      PyEval_RestoreThread(released);
-      throw;
-    }
-    PyEval_RestoreThread(released);
-  }
-  return THPVariable_Wrap(std::move(out));
-  END_HANDLE_TH_ERRORS
 }
 
 // ---- new_token: attnstash::_new_token's kernel (records.h), called directly ---------------------
@@ -103,24 +53,130 @@ static PyObject* new_token(PyObject*, PyObject*) {
   END_HANDLE_TH_ERRORS
 }
 
-static bool callable_binding(PyObject* binding, const char* op) {
-  if (PyCallable_Check(binding)) return true;
-  PyErr_Format(PyExc_TypeError, "attnstash: _C._set_bindings expects the binding of attnstash::%s, got %R", op,
-               binding);
-  return false;
+// ---- frames: opened and closed by the installer around each forward of a stashed layer -----------
+// (frames.h states what a frame does.)
+// frame_open(anchor, slot_base, limit, keep, collect, random, random_input): `limit` -1 for none,
+// `random` a frames::RandomCheck value, `random_input` the layer input whose device's generator
+// state starts a note or refuse check (else None).
+static PyObject* frame_open(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 7 || !THPVariable_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError,
+                    "attnstash: _C.frame_open takes (anchor tensor, slot_base, limit, keep, collect, random, "
+                    "random_input)");
+    return nullptr;
+  }
+  attnstash::frames::Frame frame;
+  frame.anchor = THPVariable_Unpack(args[0]);
+  frame.slot_base = PyLong_AsLongLong(args[1]);
+  frame.limit = PyLong_AsLongLong(args[2]);
+  const long long random = PyLong_AsLongLong(args[5]);
+  if (PyErr_Occurred()) return nullptr;
+  frame.keep = PyObject_IsTrue(args[3]) == 1;
+  frame.collect = PyObject_IsTrue(args[4]) == 1;
+  frame.random = static_cast<attnstash::frames::RandomCheck>(random);
+  if (frame.random == attnstash::frames::RandomCheck::note || frame.random == attnstash::frames::RandomCheck::refuse) {
+    if (!THPVariable_Check(args[6])) {
+      PyErr_SetString(PyExc_TypeError, "attnstash: _C.frame_open: a note or refuse check needs the layer input");
+      return nullptr;
+    }
+    frame.random_start = attnstash::frames::generator_state(THPVariable_Unpack(args[6]).device());
+  }
+  attnstash::frames::open(std::move(frame));
+  Py_RETURN_NONE;
+  END_HANDLE_TH_ERRORS
 }
 
-// ops.py hands over the two ops' bindings (each an OpOverload's `_op`), for the calls keep and
-// new_token do not make themselves; both are checked before either is set.
-static PyObject* set_bindings(PyObject*, PyObject* args) {
-  PyObject *keep_binding = nullptr, *new_token_binding = nullptr;
-  if (!PyArg_ParseTuple(args, "OO:_set_bindings", &keep_binding, &new_token_binding)) return nullptr;
-  if (!callable_binding(keep_binding, "sdpa_fwd_keep") || !callable_binding(new_token_binding, "_new_token"))
+// frame_close() -> (calls, ids or None, noted, failure): `ids` the records its calls kept (a frame
+// opened with `collect`), `failure` None or (frames::Failure value, message, dropout_p).
+static PyObject* frame_close(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  attnstash::frames::Frame frame = attnstash::frames::close();
+  PyObject* ids = Py_None;
+  Py_INCREF(ids);
+  if (frame.collect) {
+    Py_SETREF(ids, PyList_New(static_cast<Py_ssize_t>(frame.ids.size())));
+    if (ids == nullptr) return nullptr;
+    for (size_t i = 0; i < frame.ids.size(); ++i)
+      PyList_SET_ITEM(ids, static_cast<Py_ssize_t>(i), PyLong_FromLongLong(frame.ids[i]));
+  }
+  if (frame.failure == attnstash::frames::Failure::none)
+    return Py_BuildValue("(LNOO)", static_cast<long long>(frame.calls), ids, frame.noted ? Py_True : Py_False,
+                         Py_None);
+  return Py_BuildValue("(LNO(Lsd))", static_cast<long long>(frame.calls), ids, frame.noted ? Py_True : Py_False,
+                       static_cast<long long>(frame.failure), frame.message.c_str(), frame.dropout_p);
+  END_HANDLE_TH_ERRORS
+}
+
+static PyObject* frame_depth(PyObject*, PyObject*) {
+  return PyLong_FromSize_t(attnstash::frames::depth());
+}
+
+// ---- compiled frames: the installer's hook (frames.h, CompiledAttention) ------------------------
+// attnstash/install/compiled.py hands over `compiled_attention_fn(query, key, value, attn_mask,
+// dropout_p, is_causal, scale, enable_gqa) -> Tensor or None`, and counts its frames.
+static PyObject* compiled_attention_fn = nullptr;
+
+static std::optional<at::Tensor> compiled_attention(const at::Tensor& query, const at::Tensor& key,
+                                                    const at::Tensor& value,
+                                                    const std::optional<at::Tensor>& attn_mask, double dropout_p,
+                                                    bool is_causal, std::optional<double> scale, bool enable_gqa) {
+  pybind11::gil_scoped_acquire gil;
+  if (compiled_attention_fn == nullptr) return std::nullopt;
+  PyObject* args[] = {THPVariable_Wrap(query),
+                      THPVariable_Wrap(key),
+                      THPVariable_Wrap(value),
+                      attn_mask.has_value() ? THPVariable_Wrap(*attn_mask) : Py_NewRef(Py_None),
+                      PyFloat_FromDouble(dropout_p),
+                      PyBool_FromLong(is_causal),
+                      scale.has_value() ? PyFloat_FromDouble(*scale) : Py_NewRef(Py_None),
+                      PyBool_FromLong(enable_gqa)};
+  PyObject* result = nullptr;
+  if (std::all_of(std::begin(args), std::end(args), [](PyObject* o) { return o != nullptr; }))
+    result = PyObject_Vectorcall(compiled_attention_fn, args, 8, nullptr);
+  for (PyObject* o : args) Py_XDECREF(o);
+  if (result == nullptr) {
+    python_error error;
+    error.persist();
+    throw error;
+  }
+  std::optional<at::Tensor> out;
+  if (THPVariable_Check(result)) out = THPVariable_Unpack(result);
+  const bool none = result == Py_None;
+  Py_DECREF(result);
+  TORCH_CHECK(out.has_value() || none,
+              "attnstash: the installer's compiled_attention returned neither a tensor nor None");
+  return out;
+}
+
+static PyObject* set_compiled_attention(PyObject*, PyObject* fn) {
+  if (!PyCallable_Check(fn)) {
+    PyErr_Format(PyExc_TypeError, "attnstash: _C._set_compiled_attention expects a callable, got %R", fn);
     return nullptr;
-  Py_INCREF(keep_binding);
-  Py_XSETREF(boxed_keep, keep_binding);
-  Py_INCREF(new_token_binding);
-  Py_XSETREF(boxed_new_token, new_token_binding);
+  }
+  Py_INCREF(fn);
+  Py_XSETREF(compiled_attention_fn, fn);
+  attnstash::frames::set_compiled_attention(&compiled_attention);
+  Py_RETURN_NONE;
+}
+
+static PyObject* set_compiled_frames(PyObject*, PyObject* count) {
+  const long long n = PyLong_AsLongLong(count);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  attnstash::frames::set_compiled_frames(n);
+  Py_RETURN_NONE;
+}
+
+// ops.py hands over _new_token's binding (its OpOverload's `_op`), for the calls new_token does not
+// make itself.
+static PyObject* set_token_binding(PyObject*, PyObject* binding) {
+  if (!PyCallable_Check(binding)) {
+    PyErr_Format(PyExc_TypeError, "attnstash: _C._set_token_binding expects the binding of attnstash::_new_token, "
+                 "got %R", binding);
+    return nullptr;
+  }
+  Py_INCREF(binding);
+  Py_XSETREF(boxed_new_token, binding);
   Py_RETURN_NONE;
 }
 
@@ -128,13 +184,19 @@ static PyMethodDef attnstash_methods[] = {
     {"inside_backward", inside_backward, METH_NOARGS, "Whether a backward pass runs on this thread."},
     {"saved_tensor_hooks_pushed", saved_tensor_hooks_pushed, METH_NOARGS,
      "Whether saved-tensor hooks are pushed on this thread (a non-reentrant checkpoint's, offloading's)."},
-    {"keep", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(keep)), METH_FASTCALL,
-     "attnstash::sdpa_fwd_keep(query, key, value, anchor, slot, attn_mask, dropout_p, is_causal, scale, "
-     "enable_gqa), all ten positional: the op's binding's call, made directly where no Python semantics apply."},
     {"new_token", new_token, METH_NOARGS,
      "attnstash::_new_token(): the op's kernel called directly, or its binding where a mode would see the call."},
-    {"_set_bindings", set_bindings, METH_VARARGS,
-     "Hand keep and new_token the bindings of sdpa_fwd_keep and _new_token, for the calls they do not make."},
+    {"frame_open", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_open)), METH_FASTCALL,
+     "Open a frame on this thread (torch_ops/frames.h): (anchor, slot_base, limit, keep, collect, random, "
+     "random_input)."},
+    {"frame_close", frame_close, METH_NOARGS,
+     "Close this thread's innermost frame: (calls, ids or None, noted, failure or None)."},
+    {"frame_depth", frame_depth, METH_NOARGS, "How many frames are open on this thread."},
+    {"_set_compiled_attention", set_compiled_attention, METH_O,
+     "Hand the frames the installer's hook for compiled frames (torch_ops/frames.h, CompiledAttention)."},
+    {"set_compiled_frames", set_compiled_frames, METH_O, "How many compiled frames this thread has open."},
+    {"_set_token_binding", set_token_binding, METH_O,
+     "Hand new_token the binding of _new_token, for the calls it does not make itself."},
     {nullptr, nullptr, 0, nullptr}};
 
 static struct PyModuleDef attnstash_module = {PyModuleDef_HEAD_INIT, "_C", "attnstash's torch ops", -1,

@@ -8,8 +8,8 @@ layers.py says which layers a model has, asking one adapter per kind of model:
 transformers_adapter.py (Hugging Face transformers), diffusers_adapter.py (diffusers),
 torch_adapter.py (torch's checkpoint_wrapper, and layers the user names), each reporting
 found.py's Found. core.py holds the rules every stashed layer follows (its anchor, the phase of
-each forward, its frame), state.py what they keep for the process and each thread, routing.py
-how attention calls reach a frame, compiled.py a stashed layer under torch.compile,
+each forward, its frame; torch_ops/frames.h how attention calls reach a frame), state.py what
+they keep for the process and each thread, compiled.py a stashed layer under torch.compile,
 random_state.py the random-number check; installer.py installs. Only installer.py and the
 runtime modules need the compiled ops.
 """

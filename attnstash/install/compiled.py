@@ -28,8 +28,11 @@ checkpoint's preserve_rng_state restores it); what a forward dropped without a b
 goes when its layer input is freed (no node of ours owns it).
 """
 import functools
+import sys
+import threading
 
 import torch
+import torch._guards
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .. import backends, ops
@@ -144,36 +147,127 @@ def _inside_eager_checkpoint():
     return ops.inside_backward() or ops.saved_tensor_hooks_pushed()
 
 
-_traced = []  # [anchor, slot base, calls so far] of each layer traced by _eager_checkpoint_forward, innermost last
-
-
 def _eager_checkpoint_forward(layer, forward, args, kwargs, anchor):
-    """A layer compiled inside an eager checkpoint, as dynamo traces it: its k-th attention call
-    becomes attnstash::_sdpa_compiled on its input at slot `class base + k` (attend), which keeps
-    in the checkpoint's first forward and takes it back in its recompute, as the graph runs
+    """A layer compiled inside an eager checkpoint, as dynamo traces it: a compiled frame on its
+    input around its forward (_frame_open, _frame_close), inside which its k-th attention call
+    becomes attnstash::_sdpa_compiled on that input at slot `class base + k` (attention), which
+    keeps in the checkpoint's first forward and takes it back in its recompute, as the graph runs
     (torch_ops/keep_replay.h, compiled_phase_of)."""
-    frame = [anchor, _class_slots(type(layer).__name__), 0]
-    _traced.append(frame)
-    try:
-        out = forward(*args, **kwargs)
-    finally:
-        _traced.pop()
-    if frame[2] == 0:  # it must call attention, as in eager
+    _frame_open(anchor, _class_slots(type(layer).__name__))
+    out = forward(*args, **kwargs)
+    calls = _frame_calls()
+    _frame_close(anchor)
+    if calls == _SPLIT:
+        raise CheckpointingError(
+            f"attnstash: {layer.__dict__[ATTR].name} is compiled on its own inside an activation checkpoint that "
+            "runs eagerly, and torch.compile breaks its graph inside it: what it keeps cannot be traced across the "
+            "break. Remove the graph break (fullgraph=True shows where it is), compile the whole model instead, or "
+            "do not stash this layer.")
+    if calls == 0:  # it must call attention, as in eager
         raise no_attention(layer.__dict__[ATTR])
     _calls_the_ops(type(layer).__name__)
     return out
 
 
-def attend(sdpa, args, kwargs):
-    """F.scaled_dot_product_attention while dynamo traces (routing.route): attnstash::_sdpa_compiled
-    inside _eager_checkpoint_forward, else torch's own (`sdpa`)."""
-    if not _traced:
-        return sdpa(*args, **kwargs)
-    frame = _traced[-1]
-    q, k, v, mask, dropout_p, is_causal, scale, gqa = state.sdpa_arguments(*args, **kwargs)
-    slot = frame[1] + frame[2]
-    frame[2] += 1
-    return torch.ops.attnstash._sdpa_compiled(q, k, v, frame[0], slot, mask, dropout_p, is_causal, scale, gqa)
+# Compiled frames (torch_ops/frames.h). _frame_open and _frame_close are nodes of the layer's
+# graph that dynamo keeps (allow_in_graph, side-effectful) and AOT autograd does not record: they
+# run wherever the graph is traced (dynamo's fake run, each of AOT's traces) and wherever it runs
+# as traced (a backend such as "eager"), in order, so that the layer's attention calls in between
+# reach `attention`. A frame belongs to one trace (_trace), or, opened where the graph runs, to
+# that run of it (the Python frame that runs the graph): a trace that a graph break or an error
+# cut short, or a run that raised, leaves its frame behind, which _live drops.
+class _Frames(threading.local):
+    def __init__(self):
+        self.open = []  # [trace, anchor, slot base, calls, run], innermost last
+
+
+_frames = _Frames()
+_SPLIT = -1  # _frame_calls: the layer's frame was opened by a trace a graph break ended
+
+
+def _trace():
+    """What a compiled frame belongs to: the trace running (torch._guards.TracingContext: dynamo's
+    and AOT autograd's traces of one graph share it), None where a graph runs as traced."""
+    return torch._guards.TracingContext.try_get()
+
+
+def _running():
+    """(id, code) of each Python frame on this thread's stack."""
+    frame, running = sys._getframe(1), set()
+    while frame is not None:
+        running.add((id(frame), frame.f_code))
+        frame = frame.f_back
+    return running
+
+
+def _live():
+    """This thread's compiled frames, less those left behind (above)."""
+    trace = _trace()
+    if trace is not None:
+        live = [f for f in _frames.open if f[0] is trace]
+    elif _frames.open:
+        running = _running()
+        live = [f for f in _frames.open if f[0] is None and f[4] in running]
+    else:
+        live = _frames.open
+    if len(live) != len(_frames.open):
+        _frames.open = live
+        ops.set_compiled_frames(len(live))
+    return _frames.open
+
+
+@torch.compiler.allow_in_graph
+def _frame_open(anchor, base):
+    trace = _trace()
+    caller = sys._getframe(1)
+    run = None if trace is not None else (id(caller), caller.f_code)
+    del caller
+    _live().append([trace, anchor, base, 0, run])
+    ops.set_compiled_frames(len(_frames.open))
+    return anchor
+
+
+@torch.compiler.allow_in_graph
+def _frame_close(anchor):
+    frames = _live()
+    if frames and frames[-1][1] is anchor:
+        frames.pop()
+        ops.set_compiled_frames(len(frames))
+    return anchor
+
+
+torch.fx.node.has_side_effect(_frame_open)
+torch.fx.node.has_side_effect(_frame_close)
+
+
+@torch.compiler.assume_constant_result
+def _frame_calls():
+    """As dynamo traces the layer: the attention calls of its frame so far (_SPLIT if it has none
+    in this trace: a graph break ended the one that opened it)."""
+    frames = _live()
+    return frames[-1][3] if frames else _SPLIT
+
+
+def open_frames():
+    """The compiled frames open on this thread (none between steps: the tests check it)."""
+    return len(_live())
+
+
+def attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """An attention call while this thread has a compiled frame open (torch_ops/frames.h,
+    CompiledAttention): attnstash::_sdpa_compiled on the innermost live frame's anchor at its next
+    slot; None where no frame is live (the call is not a frame's)."""
+    frames = _live()
+    if not frames:
+        return None
+    frame = frames[-1]
+    slot = frame[2] + frame[3]
+    frame[3] += 1
+    return torch.ops.attnstash._sdpa_compiled(query, key, value, frame[1], slot, attn_mask, dropout_p, is_causal,
+                                              scale, enable_gqa)
+
+
+ops.set_compiled_attention(attention)
 
 
 @torch.compiler.assume_constant_result

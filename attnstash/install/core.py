@@ -25,24 +25,22 @@ saved-tensor hooks, which may hand it a copy, a token module_call.py keeps for t
 
 Phase, frame and slots. Each forward of a stashed layer runs in a frame on its thread's
 stack (open_frame decides the phase; the ops decide again from what they see, by the rule in
-torch_ops/keep_replay.h). Inside a frame that keeps, the k-th call of
-F.scaled_dot_product_attention (routing.py says how calls reach the frame) goes to
-attnstash::sdpa_fwd_keep with the frame's anchor at slot `layer base + k`, in call order, so that
-a layer may call attention any number of times. random_state.py checks that a recompute draws
-the random numbers its first forward drew before each call.
+torch_ops/keep_replay.h). run_in_frame opens a native frame around the forward, inside which
+its attention calls, by whatever name, go to the ops at the layer's slots, as
+torch_ops/frames.h states; random_state.py says what the frame checks of the random state
+before each call.
 """
 import functools
 import sys
 import types
 
 import torch
-import torch.nn.functional as F
 
 from .. import ops
-from . import compiled, dropout, module_call, offload, state
-from ..errors import CheckpointingError, KeepError, ReplayError, StashError
+from . import compiled, dropout, module_call, offload, random_state, state
+from ..errors import CheckpointingError, KeepError, ReplayError
 from .found import ATTR, CHECKPOINT_FUNCTION
-from .random_state import Rng, preserves_rng
+from .random_state import preserves_rng
 
 class LayerStash:
     """One stashed layer: its index and name (for messages), how its checkpointed forward is
@@ -82,61 +80,17 @@ def stash_of(layer):
 
 class Frame:
     """One forward of a stashed layer on this thread: a first forward (which may keep) or a
-    recompute (which replays). `limit`: the calls a recompute may route (its first forward's,
-    where known). `rng`: the random state at the first forward's start, where the recompute's
-    must be checked (random_state.Rng). `anchor`: what the ops anchor on: the token where one is
-    held (open_frame's `token`, Run.token), else the layer input; with a token the frame is
-    `owned`: the token releases what is kept under it as it is freed (ops.new_token). Else the
-    records a reentrant first forward keeps are listed in `kept`, released if it is interrupted.
-    `mover`, `moving`, `moved`: offload.py's, for its records, moved after it. Built by
-    open_frame alone."""
-    __slots__ = ("stash", "anchor", "owned", "keep", "first", "calls", "limit", "rng", "kept", "mover", "moving",
-                 "moved")
-
-    def attend(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
-               enable_gqa=False):
-        """One F.scaled_dot_product_attention call in this frame (routing.route), its arguments
-        those of state.sdpa_arguments (test_any_model checks that the two agree)."""
-        index = self.calls
-        self.calls = index + 1
-        if self.limit is not None and index >= self.limit:
-            raise CheckpointingError(
-                f"attnstash: {self.stash.name}: its recompute calls attention more often than its first forward did "
-                f"({self.limit} times): the recompute does not repeat the first forward, so the kept outputs cannot "
-                "stand in for its attention. Do not stash this layer.")
-        slot = self.stash.slot_base + index
-        noted = self.rng.before_call(self, slot, query.device) if self.rng is not None else None
-        try:
-            out = ops.KEEP(query, key, value, self.anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        except StashError:
-            raise
-        except RuntimeError as e:
-            if not str(e).startswith("attnstash"):
-                raise
-            holder = dropout.holder(dropout_p) if dropout_p else ""
-            raise (KeepError if self.first else ReplayError)(f"attnstash: {self.stash.name}: {e}{holder}") from e
-        listed = self.first and not self.owned and not torch.is_grad_enabled()  # a reentrant one's, on its input
-        if listed or noted is not None or self.mover is not None:
-            record = ops.record_id(self.anchor, slot)
-            if record and listed:
-                self.kept.append(record)
-            if record and self.mover is not None:
-                self.moving.append(record)
-            if record and noted is not None:
-                Rng.note(self.stash, record, noted)
-        return out
-
-    def bad_arguments(self, error, args, kwargs):
-        """The error for a call whose arguments F.scaled_dot_product_attention does not take
-        (routing.route: `error` is attend's binding's): as state.sdpa_arguments, which has no
-        `self` to count among the positional arguments, words it."""
-        try:
-            state.sdpa_arguments(*args, **kwargs)
-            message = str(error)
-        except TypeError as e:
-            message = str(e).replace("sdpa_arguments()", "scaled_dot_product_attention()")
-        return TypeError(f"attnstash: {self.stash.name}: {message} (attnstash routes F.scaled_dot_product_attention "
-                         f"as torch {torch.__version__} defines it)")
+    recompute (which replays); its attention calls reach the ops through the native frame
+    run_in_frame opens for it (torch_ops/frames.h). `limit`: the calls a recompute may make (its
+    first forward's, where known). `random`: what the native frame checks of the random state
+    (random_state.check), from `random_input`'s device. `anchor`: what the ops anchor on: the token
+    where one is held (open_frame's `token`, Run.token), else the layer input; with a token the
+    frame is `owned`: the token releases what is kept under it as it is freed (ops.new_token).
+    Else a reentrant first forward is `listed`: the records it keeps are released if it is
+    interrupted. `kept`: the ids of the records its calls kept, where it is listed or has a
+    `mover`; `moved`: offload.py's, for those records, moved after it. Built by open_frame alone."""
+    __slots__ = ("stash", "anchor", "owned", "keep", "first", "calls", "limit", "random", "random_input", "listed",
+                 "kept", "mover", "moved")
 
 
 _new_frame = object.__new__
@@ -146,16 +100,17 @@ def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=N
     """The frame of one forward of a stashed layer, by the phase it runs in (`backward`: whether
     it runs inside a backward pass, ops.inside_backward()). `outer_grad`: the
     grad mode of the call outside its checkpoint; `limit`: for a recompute, how many attention
-    calls its first forward routed; `preserves`: whether its checkpoint restores the random
+    calls its first forward made; `preserves`: whether its checkpoint restores the random
     state for the recompute (preserves_rng). None: cannot be seen. `token`: what the ops anchor
     on in place of the layer input `anchor`, where a Run holds one (Run.token). With a token,
     `anchor` is read only by a first forward whose `preserves` is not True (the random state's
     device) or whose layer has its own offload (offload.mover_for), and may be None otherwise
     (Run.__call__ reads it only then)."""
     grad = torch.is_grad_enabled()
-    if backward:  # a recompute: it routes what its first forward routed
+    if backward:  # a recompute: it makes the calls its first forward made
         keep = grad and limit != 0
-        first, rng, mover = False, Rng.recompute() if keep and stash.rng_noted else None, None
+        first, mover = False, None
+        random = random_state.recompute_check(stash) if keep else ops.RandomCheck.none
     else:
         hooks = ops.saved_tensor_hooks_pushed()
         if grad and not hooks:
@@ -175,37 +130,71 @@ def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=N
                 "copy of it, and with no node before the checkpoint nothing can tie the recompute to its first "
                 "forward for as long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), "
                 "use non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
-        first, rng = True, Rng.first(anchor.device, preserves) if reachable and preserves is not True else None
+        first = True
+        random = random_state.first_check(preserves) if reachable else ops.RandomCheck.none
         mover = offload.mover_for(stash, anchor, grad) if reachable and token is not None and \
             (hooks or stash.install.offload is not None) else None
     frame = _new_frame(Frame)  # (no __init__: a Python call less per forward)
-    frame.stash, frame.keep, frame.first, frame.calls, frame.limit, frame.rng = stash, keep, first, 0, limit, rng
+    frame.stash, frame.keep, frame.first, frame.calls, frame.limit = stash, keep, first, 0, limit
+    frame.random, frame.random_input = random, anchor
     frame.anchor, frame.owned = (anchor, False) if token is None else (token, True)
-    frame.kept, frame.mover, frame.moving, frame.moved = [], mover, [], None
+    frame.listed = first and token is None and not grad  # a reentrant one's, on its input
+    frame.kept, frame.mover, frame.moved = None, mover, None
     return frame
 
 
 def run_in_frame(frame, fn, args, kwargs):
+    """fn(*args, **kwargs) in `frame`: the native frame open around it (torch_ops/frames.h), and
+    the frame on this thread's stack (state.thread.frames), for the installer's own questions."""
     frames = state.thread.frames
     frames.append(frame)
     try:
-        out = fn(*args, **kwargs)
+        ops.frame_open(frame.anchor, frame.stash.slot_base, -1 if frame.limit is None else frame.limit, frame.keep,
+                       frame.listed or frame.mover is not None, frame.random, frame.random_input)
     except BaseException:
+        frames.remove(frame)
+        raise
+    try:
+        out = fn(*args, **kwargs)
+    except BaseException as error:
+        frame.calls, frame.kept, noted, failure = ops.frame_close()
+        if noted:
+            frame.stash.rng_noted = True
         if frame.first:  # an interrupted forward (an error, Ctrl-C) keeps nothing
-            release(frame.kept)
-            if frame.owned and not torch.is_grad_enabled():  # a reentrant one's, under a token that may outlive it
+            if frame.listed:
+                release(frame.kept)
+            elif frame.owned and not torch.is_grad_enabled():  # a reentrant one's, under a token that may outlive it
                 release(ops.record_id(frame.anchor, frame.stash.slot_base + k) for k in range(frame.calls))
+        if failure is not None:
+            raise frame_error(frame, *failure, error) from (error if failure[0] == ops.Failure.op else None)
         raise
     finally:
         frames.remove(frame)
+    frame.calls, frame.kept, noted, _ = ops.frame_close()
+    if noted:
+        frame.stash.rng_noted = True
     if frame.first and frame.keep:  # a first forward that keeps must have called attention
         frame.stash.calls = frame.calls
         if frame.calls == 0 and not compiled.calls_the_ops(frame.stash.kind):
-            release(frame.kept)
             raise compiled.no_attention(frame.stash)
-    if frame.moving:
-        frame.moved = offload.move_out(frame.mover, frame.moving)
+    if frame.mover is not None and frame.kept:
+        frame.moved = offload.move_out(frame.mover, frame.kept)
     return out
+
+
+def frame_error(frame, why, message, dropout_p, error):
+    """The installer's error for a call the native frame refused (torch_ops/frames.h, Failure),
+    `error` the one that call raised."""
+    name = frame.stash.name
+    if why == ops.Failure.op:
+        holder = dropout.holder(dropout_p, error.__traceback__) if dropout_p else ""
+        return (KeepError if frame.first else ReplayError)(f"attnstash: {name}: {message}{holder}")
+    if why == ops.Failure.limit:
+        return CheckpointingError(
+            f"attnstash: {name}: its recompute calls attention more often than its first forward did "
+            f"({frame.limit} times): the recompute does not repeat the first forward, so the kept outputs cannot "
+            "stand in for its attention. Do not stash this layer.")
+    return random_state.refusal(name)
 
 
 def release(records):

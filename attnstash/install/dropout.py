@@ -1,20 +1,21 @@
 """Where an attention dropout that a stashed layer's call passed comes from, for the message
-that refuses it (core.Frame.attend)."""
+that refuses it (core.frame_error)."""
 import itertools
-import sys
 
 import torch
 
 
-def holder(dropout_p):
+def holder(dropout_p, traceback):
     """Where the attention dropout a refused call passed comes from, for its message: an
-    attribute of the module that called attention (`self` or `module` of a caller on the stack)
-    holding that value, a float or an nn.Dropout's p ("" if none is found)."""
-    frame = sys._getframe(2)
+    attribute of the module that called attention (`self` or `module` of one of the innermost
+    callers in the refusal's traceback) holding that value, a float or an nn.Dropout's p ("" if
+    none is found)."""
+    frames = []
+    while traceback is not None:
+        frames.append(traceback.tb_frame)
+        traceback = traceback.tb_next
     try:
-        for _ in range(8):
-            if frame is None:
-                break
+        for frame in reversed(frames[-8:]):
             for module in (frame.f_locals.get("self"), frame.f_locals.get("module")):
                 if not isinstance(module, torch.nn.Module):
                     continue
@@ -25,7 +26,6 @@ def holder(dropout_p):
                         return (f" It comes from {type(module).__name__}.{attr} = {dropout_p} (the module that calls "
                                 "attention): build the model with that dropout at 0.0 (its config's attention "
                                 f"dropout field), or set {attr} = 0.0 on those modules before training.")
-            frame = frame.f_back
     finally:
-        del frame
+        del frames
     return ""

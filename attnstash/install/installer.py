@@ -1,8 +1,10 @@
 """install_attention_stash and its undoing: the layers find_layers gives, stashed by core.py's
 rules (see the package's docstring)."""
+import gc
+
 from .. import budget, ops
 from ..errors import InstallError
-from . import core, offload as offloading, routing, state, transformers_adapter
+from . import core, offload as offloading, state, transformers_adapter
 from .found import CHECKPOINT_FUNCTION
 from .layers import find_layers, layer_count
 
@@ -67,7 +69,6 @@ def install_attention_stash(model, num_layers=None, *, layers=None, filter_fn=No
     with state.lock:
         done = []
         try:
-            routing.patch()
             if any(f.reach is CHECKPOINT_FUNCTION for _, f in chosen):
                 transformers_adapter.patch(core.stand_in)
             install = state.Install(offloading.Own() if offload else None)
@@ -96,7 +97,11 @@ def _detach(module):
 
 
 def _unpatch_if_unused():
-    if routing.unpatch_if_unused():
+    """Once no stash is in use (models dropped without an uninstall are collected first),
+    transformers' layer class is as it was."""
+    if state.live:
+        gc.collect()
+    if not state.live:
         transformers_adapter.unpatch()
 
 
@@ -107,7 +112,7 @@ def _stashed(model):
 def uninstall_attention_stash(model):
     """Undo install_attention_stash for this model (or a deep copy of one): its layers are as
     they were, other models keep their installs, its budget ends (the one it replaced is back),
-    and once no model has the stash F.scaled_dot_product_attention is torch's own again. What the
+    and once no model has the stash transformers' layer class is as it was. What the
     model's forwards still hold is released with their graphs. Raises InstallError if the model
     has no stash. `model` may be a part of the model: its layers are unstashed, and an install's
     budget ends with the last of its layers."""

@@ -1,5 +1,5 @@
 """What the installer holds for the whole process, for each install and for each thread: stated
-here once, below core.py, compiled.py and routing.py, which all read it (none reaches into
+here once, below core.py and compiled.py, which both read it (none reaches into
 another's privates for it). What it reads of torch's autograd state, the ops read too
 (ops.inside_backward, ops.saved_tensor_hooks_pushed)."""
 import itertools
@@ -12,7 +12,7 @@ from ..errors import CheckpointingError
 
 SLOT_BITS = 16  # a layer's slots: base + call index, for up to 2**16 calls per forward
 
-lock = threading.RLock()  # installs, uninstalls, and the patch of F.scaled_dot_product_attention
+lock = threading.RLock()  # installs, uninstalls, and the patch of transformers' layer class
 live = weakref.WeakSet()  # every core.LayerStash in use (deep copies of models included)
 _bases = itertools.count(1)
 
@@ -68,6 +68,12 @@ dynamo_callback = getattr(getattr(getattr(torch._C, "_dynamo", None), "eval_fram
 """dynamo's frame callback: None in plain eager, set where a torch.compile'd caller runs code
 eagerly (core.stashed_forward turns it off there); taken as set where a torch release does not
 say."""
+
+
+def is_sdpa(func):
+    """Whether a torch function mode's `func` is F.scaled_dot_product_attention (the builtin
+    torch/nn/functional.py binds from torch._C._nn, read there at each call)."""
+    return func is torch._C._nn.scaled_dot_product_attention
 
 
 def sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,

@@ -14,7 +14,7 @@ from ..errors import PlanError
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..install.layers import class_has_attention
-from ..install.state import sdpa_arguments
+from ..install.state import is_sdpa, sdpa_arguments
 
 _aten = torch.ops.aten
 
@@ -174,16 +174,6 @@ class _RecordSdpa(TorchFunctionMode):
         with _disable_current_modes():
             out = torch.empty(q.shape[:-1] + (v.shape[-1],), dtype=q.dtype, device="meta")
         return ShapeOnly(out)
-
-
-def is_sdpa(func):
-    """Whether a torch function mode's `func` is F.scaled_dot_product_attention, whatever is
-    installed. While a stash is installed, F.scaled_dot_product_attention (and every module-level
-    name bound to it) is attnstash/install/routing.py's `route`, a Python
-    function that calls torch's own; a mode receives torch's own builtin either way. torch/nn/
-    functional.py binds that builtin from torch._C._nn, which routing.patch leaves alone: read it
-    there, at each call (a name bound here at import would be rebound)."""
-    return func is torch._C._nn.scaled_dot_product_attention
 
 
 @contextlib.contextmanager

@@ -1,12 +1,21 @@
-"""Every test must leave the stash empty: a leaked record is a bug."""
+"""Every test must leave the stash empty and no frame open: a leaked record or frame is a bug."""
 import pytest
 
 import attnstash
+from attnstash import ops
 
 
 @pytest.fixture(autouse=True)
 def stash_is_empty_after_each_test():
     yield
+    depth = ops.frame_depth()
+    while ops.frame_depth():
+        ops.frame_close()
+    if depth:
+        pytest.fail(f"the test left {depth} frame(s) open on its thread")
+    from attnstash.install import compiled
+    if compiled.open_frames():
+        pytest.fail(f"the test left {compiled.open_frames()} compiled frame(s) open on its thread")
     held = attnstash.stash_stats()
     if held["records"] or held["bytes"]:
         attnstash.stash_clear()

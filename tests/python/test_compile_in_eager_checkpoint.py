@@ -33,8 +33,11 @@ def each_block(how, fullgraph=False):
 
 
 def assert_same_graphs_and_saving(without, with_stash, calls):
+    """The same graphs and call nodes with the stash as without, but for the two markers of each
+    graph's compiled frame (which AOT autograd does not record: benchmarks.compiled.Counting)."""
     (runs_a, forwards_a, counted_a), (runs_b, forwards_b, counted_b) = without, with_stash
     assert counted_a.graphs >= 1 and (counted_b.graphs, counted_b.nodes) == (counted_a.graphs, counted_a.nodes)
+    assert counted_a.markers == 0 and counted_b.markers == 2 * counted_b.graphs
     assert forwards_a == 2 * calls and forwards_b == calls, (forwards_a, forwards_b)
     assert bitwise_equal(runs_a, runs_b)
     assert attnstash.stash_stats()["records"] == 0
@@ -179,6 +182,67 @@ def test_each_transformers_layer_compiled_on_its_own(mode):
     (runs_a, forwards_a, counted_a), (runs_b, forwards_b, counted_b) = results
     assert counted_a.graphs >= 1 and counted_b.graphs == counted_a.graphs and counted_b.nodes >= counted_a.nodes
     assert (forwards_a, forwards_b) == (6, 3) and bitwise_equal(runs_a, runs_b)
+    assert attnstash.stash_stats()["records"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_graph_break_inside_a_compiled_stashed_layer_is_refused_and_leaves_no_frame(mode):
+    # What the layer keeps cannot be traced across a break: the stash says so, never falls back.
+    class Breaking(plain.Block):
+        def forward(self, x, mask=None):
+            torch._dynamo.graph_break()
+            return super().forward(x, mask)
+
+    torch._dynamo.reset()
+    model = plain.gpt(checkpointing=mode, block_class=Breaking)
+    attnstash.install_attention_stash(model, layers=Breaking)
+    try:
+        each_block("block.compile()")(model, "aot_eager")
+        with pytest.raises(attnstash.CheckpointingError, match="torch.compile breaks its graph inside it"):
+            plain.loss_and_grads(model, plain.ids())
+    finally:
+        attnstash.uninstall_attention_stash(model)
+    from attnstash.install import compiled
+    assert compiled.open_frames() == 0 and attnstash.stash_stats()["records"] == 0
+
+
+_FAIL = [False]
+
+
+@torch.compiler.allow_in_graph
+def _fails_when_told(x):
+    """A node of the graph that raises where the graph runs, not where it is traced."""
+    if _FAIL[0]:
+        raise ValueError("raised after attention")
+    return x
+
+
+def test_a_graph_run_as_traced_that_raises_leaves_no_frame_to_take_later_calls():
+    # The "eager" backend runs dynamo's graph itself, its frame's markers included: a run that
+    # raises between them leaves its frame behind, which takes no call made after it.
+    class Raising(plain.Block):
+        def forward(self, x, mask=None):
+            return _fails_when_told(super().forward(x, mask))
+
+    torch._dynamo.reset()
+    model = plain.gpt(checkpointing="reentrant", block_class=Raising)
+    attnstash.install_attention_stash(model, layers=Raising)
+    try:
+        each_block("block.compile()")(model, "eager")
+        plain.loss_and_grads(model, plain.ids())  # traced and run once
+        _FAIL[0] = True
+        with pytest.raises(ValueError, match="raised after attention"):
+            plain.loss_and_grads(model, plain.ids())
+    finally:
+        _FAIL[0] = False
+        attnstash.uninstall_attention_stash(model)
+    gc.collect()
+    keeps = attnstash.stash_stats()["keeps"]
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    with torch.no_grad():
+        torch.nn.functional.scaled_dot_product_attention(q, q, q)
+    from attnstash.install import compiled
+    assert attnstash.stash_stats()["keeps"] == keeps and compiled.open_frames() == 0
     assert attnstash.stash_stats()["records"] == 0
 
 

@@ -1,5 +1,4 @@
-"""A plan depends on nothing else in the process: with a stash installed on another model (which
-routes F.scaled_dot_product_attention, and every name bound to it, through the installer), a plan
+"""A plan depends on nothing else in the process: with a stash installed on another model, a plan
 equals, layer for layer and byte for byte, the plan made with nothing installed."""
 import os
 
@@ -35,19 +34,19 @@ def test_a_plan_does_not_depend_on_a_stash_installed_on_another_model():
     other = plain.gpt(layers=2)
     attnstash.install_attention_stash(other, layers=plain.Block)
     try:
-        assert F.scaled_dot_product_attention is not torch._C._nn.scaled_dot_product_attention  # routed
-        assert plain.sdpa_imported_by_name is not torch._C._nn.scaled_dot_product_attention
+        # The install rebinds no name: attention reaches a stashed layer through the op's kernel.
+        assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
+        assert plain.sdpa_imported_by_name is torch._C._nn.scaled_dot_product_attention
         beside = plans()
     finally:
         attnstash.uninstall_attention_stash(other)
-    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention
     for a, b in zip(alone, beside):
         assert a.per_layer_bytes == b.per_layer_bytes, str(b)
         assert a == b
 
 
 def test_the_planner_imported_while_a_stash_is_installed_still_sees_attention():
-    """The planner module loaded for the first time while F.sdpa is routed (a fresh interpreter)."""
+    """The planner module loaded for the first time while a stash is installed (a fresh interpreter)."""
     import subprocess
     import sys
     script = (

@@ -1,9 +1,9 @@
-"""ops.KEEP, the installer's entry to attnstash::sdpa_fwd_keep (torch_ops/python_module.cpp): with
-plain arguments it makes the op's dispatcher call itself, and any other call goes to the op's binding,
-so that every call gives what torch.ops.attnstash.sdpa_fwd_keep gives: the same output bitwise, the
-same record kept, the same error, and __torch_function__ seen where the binding would see it. And
-ops.NEW_TOKEN, its entry to attnstash::_new_token: the kernel called from C, the binding where a mode
-would see the call."""
+"""The installer's ways into the ops. The native frame (torch_ops/frames.h): inside a frame that
+keeps, every call of aten::scaled_dot_product_attention, by whatever name, is
+attnstash::sdpa_fwd_keep on the frame's anchor at its next slot (the same output bitwise, the same
+record kept and replayed, the same error), on the thread that opened it only, and outside every
+frame torch's own. And ops.NEW_TOKEN, its entry to attnstash::_new_token: the kernel called from C,
+the binding where a mode would see the call."""
 import sys
 import threading
 import time
@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.functional import scaled_dot_product_attention as sdpa_by_name
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -18,8 +19,8 @@ import attnstash
 from attention_cases import anchor_for, qkv
 from attnstash import ops
 
-BINDING = torch.ops.attnstash.sdpa_fwd_keep.default
 TOKEN_BINDING = torch.ops.attnstash._new_token.default
+KEEP = torch.ops.attnstash.sdpa_fwd_keep
 
 
 def counting(calls, binding, name):
@@ -30,32 +31,12 @@ def counting(calls, binding, name):
 
 
 @pytest.fixture
-def binding_calls():
-    """The calls ops.KEEP hands to the op's binding, counted (the binding itself still makes them)."""
-    calls = []
-    ops.NATIVE._set_bindings(counting(calls, BINDING, "keep"), TOKEN_BINDING._op)
-    yield calls
-    ops.NATIVE._set_bindings(BINDING._op, TOKEN_BINDING._op)
-
-
-@pytest.fixture
 def token_binding_calls():
     """The calls ops.NEW_TOKEN hands to _new_token's binding, counted."""
     calls = []
-    ops.NATIVE._set_bindings(BINDING._op, counting(calls, TOKEN_BINDING, "new_token"))
+    ops.NATIVE._set_token_binding(counting(calls, TOKEN_BINDING, "new_token"))
     yield calls
-    ops.NATIVE._set_bindings(BINDING._op, TOKEN_BINDING._op)
-
-
-def test_the_installer_s_entries_are_the_c_functions_that_fall_back_to_the_ops_bindings():
-    assert ops.KEEP is ops.NATIVE.keep
-    assert ops.NEW_TOKEN is ops.NATIVE.new_token
-    with pytest.raises(TypeError, match="binding of attnstash::_new_token, got 3"):
-        ops.NATIVE._set_bindings(print, 3)
-    q, *rest = arguments(False, None, False)
-    with torch.no_grad():  # a subclass goes to the keep's binding: still the op's, not print
-        assert type(ops.KEEP(q.as_subclass(Recorded), *rest)) is Recorded
-    ops.stash_clear()
+    ops.NATIVE._set_token_binding(TOKEN_BINDING._op)
 
 
 class SeenDispatch(TorchDispatchMode):
@@ -66,6 +47,27 @@ class SeenDispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.seen.append(func)
         return func(*args, **(kwargs or {}))
+
+
+class Noted(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def open_frame(anchor, base=0, limit=-1, keep=True):
+    ops.frame_open(anchor, base, limit, keep, True, ops.RandomCheck.none, None)
+
+
+def test_the_token_entry_is_the_c_function_that_falls_back_to_the_binding():
+    assert ops.NEW_TOKEN is ops.NATIVE.new_token
+    with pytest.raises(TypeError, match="binding of attnstash::_new_token, got 3"):
+        ops.NATIVE._set_token_binding(3)
+    assert ops.NEW_TOKEN().requires_grad  # the binding it had is still set
 
 
 def test_a_token_from_c_is_the_binding_s_and_releases_as_the_binding_s_does(token_binding_calls):
@@ -80,7 +82,7 @@ def test_a_token_from_c_is_the_binding_s_and_releases_as_the_binding_s_does(toke
     q, k, v = qkv(torch.float32, 4, 4, 16)
     with torch.no_grad():
         for token in (direct, bound):
-            ops.KEEP(q, k, v, token, 0, None, 0.0, False, None, False)
+            KEEP(q, k, v, token, 0)
     assert len(ops.held_ids()) == 2
     del direct
     assert len(ops.held_ids()) == 1
@@ -105,112 +107,136 @@ def arguments(mask, scale, gqa, causal=False):
     torch.manual_seed(0)
     q, k, v = qkv(torch.float32, 4, 2 if gqa else 4, 16)
     attn_mask = torch.randn(q.shape[0], 1, q.shape[2], k.shape[2]) if mask else None
-    return q, k, v, anchor_for(q), 0, attn_mask, 0.0, causal, scale, gqa
+    return q, k, v, attn_mask, causal, scale, gqa
+
+
+def in_a_recompute(fn):
+    """fn() inside a backward pass, with grad on, as a checkpoint's recompute runs it."""
+    seen = []
+
+    def recompute(grad):
+        with torch.enable_grad():
+            seen.append(fn())
+        return (None,)
+    y = torch.zeros((), requires_grad=True) * 1
+    y.grad_fn.register_prehook(recompute)
+    y.backward()
+    return seen[0]
 
 
 @pytest.mark.parametrize("mask,scale,gqa,causal", [(False, None, False, True), (True, 0.3, False, False),
                                                    (False, 0.5, True, True), (True, None, True, False)])
-def test_plain_arguments_are_the_op_s_own_call_kept_and_replayed_bitwise(binding_calls, mask, scale, gqa, causal):
-    args = arguments(mask, scale, gqa, causal)
-    q, k, v, anchor = args[:4]
+def test_inside_a_frame_f_sdpa_is_the_op_kept_and_replayed_bitwise(mask, scale, gqa, causal):
+    q, k, v, attn_mask, causal, scale, gqa = arguments(mask, scale, gqa, causal)
+    anchor = anchor_for(q)
+
+    def attend():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal=causal, scale=scale, enable_gqa=gqa)
+    want = attend()
+    open_frame(anchor, base=7)
     with torch.no_grad():  # a reentrant checkpoint's first forward: kept
-        direct = ops.KEEP(*args)
-    assert binding_calls == []  # made in C
-    assert ops.record_id(anchor, 0) != 0
-    want = F.scaled_dot_product_attention(q, k, v, args[5], is_causal=causal, scale=scale, enable_gqa=gqa)
-    assert torch.equal(direct, want)
+        first = attend()
+    calls, kept, noted, failure = ops.frame_close()
+    assert (calls, noted, failure) == (1, False, None) and kept == [ops.record_id(anchor, 7)] and kept[0]
+    assert torch.equal(first, want)
     for t in (q, k, v):
         t.requires_grad_(True)
 
-    def recompute():  # its recompute, inside a backward pass: the kept output, through the replay's node
-        with torch.enable_grad():  # as a checkpoint's recompute runs
-            seen.append(ops.KEEP(q, k, v, anchor, 0, *args[5:]))
-        return (None,)
-    seen = []
-    x = torch.zeros((), requires_grad=True)
-    hooked = x * 1
-    hooked.grad_fn.register_prehook(lambda grad: recompute())
-    hooked.backward()
-    assert binding_calls == []
-    assert torch.equal(seen[0], want) and seen[0].grad_fn is not None
-    assert ops.record_id(anchor, 0) == 0  # taken
+    def recompute():  # its recompute: the kept output, through the replay's node
+        open_frame(anchor, base=7, limit=1)
+        try:
+            return attend()
+        finally:
+            assert ops.frame_close()[0] == 1
+    again = in_a_recompute(recompute)
+    assert torch.equal(again, want) and "ReentrantReplayFunction" in again.grad_fn.name()
+    assert ops.record_id(anchor, 7) == 0  # taken
     assert attnstash.stash_stats()["records"] == 0
 
 
-class Recorded(torch.Tensor):
-    """A tensor subclass whose __torch_function__ notes each function it sees."""
-    seen = []
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        cls.seen.append(func)
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
-class Noted(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.seen.append(func)
-        return func(*args, **(kwargs or {}))
-
-
-def test_a_subclass_or_a_torch_function_mode_reaches_the_binding_and_sees_the_op(binding_calls):
-    q, k, v, anchor, *rest = arguments(False, None, False)
-    Recorded.seen = []
-    out = ops.KEEP(q.as_subclass(Recorded), k, v, anchor, *rest)
-    assert BINDING in Recorded.seen and type(out) is Recorded
-    with Noted() as mode:
-        ops.KEEP(q, k, v, anchor, *rest)
-    assert BINDING in mode.seen
-    assert len(binding_calls) == 2
-
-
-@pytest.mark.parametrize("change,index", [(0, 6), (1, 7), (torch.tensor(0.5).item(), 8), (2 ** 70, 4),
-                                          (torch.tensor(True), 7)])
-def test_arguments_python_would_convert_go_to_the_binding_and_convert_as_it_does(binding_calls, change, index):
-    args = list(arguments(False, None, False))
-    args[index] = change
-    try:
-        want = ("result", BINDING._op(*args))
-    except Exception as e:  # noqa: BLE001 (whatever the binding raises, the entry must raise)
-        want = ("error", type(e), str(e))
-    try:
-        got = ("result", ops.KEEP(*args))
-    except Exception as e:  # noqa: BLE001
-        got = ("error", type(e), str(e))
-    assert got[0] == want[0] and (torch.equal(got[1], want[1]) if got[0] == "result" else got == want)
-    assert len(binding_calls) == (0 if isinstance(change, float) else 1)  # a float scale is plain
-
-
-def test_the_op_s_errors_come_through_as_the_binding_s(binding_calls):
-    q, k, v, anchor, *rest = arguments(False, None, False)
-    differs = list(rest)
-    differs[3] = not differs[3]  # a recompute causal where its first forward was not
-    errors = []
-    for call in (ops.KEEP, BINDING._op):
-        with torch.no_grad():  # kept again for each (the failed recompute releases it)
-            ops.KEEP(q.detach(), k.detach(), v.detach(), anchor, *rest)
-        for t in (q, k, v):
-            t.requires_grad_(True)
-
-        def recompute(grad, call=call):
-            with torch.enable_grad(), pytest.raises(RuntimeError) as info:
-                call(q, k, v, anchor, *differs)
-            errors.append((type(info.value), str(info.value)))
-            return (None,)
-        y = torch.zeros((), requires_grad=True) * 1
-        y.grad_fn.register_prehook(recompute)
-        y.backward()
-    assert binding_calls == []
-    assert errors[0] == errors[1] and errors[0][1].startswith("attnstash")
+def test_every_name_of_attention_reaches_the_frame_and_none_outside_it():
+    q, k, v = qkv(torch.float32, 4, 4, 16)
+    anchor = anchor_for(q)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+    x = torch.randn(2, 16, 32)
+    names = [lambda: F.scaled_dot_product_attention(q, k, v),
+             lambda: torch._C._nn.scaled_dot_product_attention(q, k, v), lambda: sdpa_by_name(q, k, v),
+             lambda: torch.ops.aten.scaled_dot_product_attention(q, k, v), lambda: mha(x, x, x, need_weights=False)]
+    keeps = attnstash.stash_stats()["keeps"]
+    with torch.no_grad():
+        for call in names:  # outside every frame: torch's own, nothing kept
+            call()
+        assert attnstash.stash_stats()["keeps"] == keeps
+        open_frame(anchor)
+        for call in names:
+            call()
+        calls, kept, _, failure = ops.frame_close()
+    assert calls == len(names) and len(kept) == len(names) and failure is None
+    assert attnstash.stash_stats()["keeps"] == keeps + len(names)
     ops.stash_clear()
 
 
-def test_other_threads_run_python_while_the_entry_s_op_runs():
-    """The GIL is released while the op runs, as the binding releases it."""
+def test_a_frame_that_does_not_keep_and_modes_inside_a_frame():
+    """A frame that does not keep passes every call to torch; a TorchFunctionMode inside a frame
+    that keeps sees torch's own F.sdpa, whose call the frame still keeps."""
+    q, k, v = qkv(torch.float32, 4, 4, 16)
+    anchor = anchor_for(q)
+    with torch.no_grad():
+        open_frame(anchor, keep=False)
+        F.scaled_dot_product_attention(q, k, v)
+        assert ops.frame_close()[0] == 0 and attnstash.stash_stats()["records"] == 0
+        open_frame(anchor)
+        with Noted() as mode:
+            F.scaled_dot_product_attention(q, k, v)
+        assert ops.frame_close()[0] == 1
+    assert torch._C._nn.scaled_dot_product_attention in mode.seen
+    assert ops.record_id(anchor, 0) != 0
+    ops.stash_clear()
+
+
+def test_a_call_the_op_refuses_raises_its_error_and_the_frame_says_why():
+    q, k, v, mask, causal, scale, gqa = arguments(False, None, False)
+    anchor = anchor_for(q)
+    open_frame(anchor)
+    with torch.no_grad():
+        F.scaled_dot_product_attention(q, k, v)
+    ops.frame_close()
+    for t in (q, k, v):
+        t.requires_grad_(True)
+
+    def recompute():  # causal where its first forward was not
+        open_frame(anchor, limit=1)
+        with pytest.raises(RuntimeError) as raised:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return raised.value, ops.frame_close()
+    error, (calls, _, _, failure) = in_a_recompute(recompute)
+    assert calls == 1 and failure[0] == ops.Failure.op and failure[1] == str(error)
+    assert str(error).startswith("attnstash") and "is_causal" in str(error)
+    ops.stash_clear()
+    with pytest.raises(RuntimeError, match="a frame was closed on a thread that has none open"):
+        ops.frame_close()
+
+
+def test_a_frame_routes_only_the_calls_of_its_own_thread():
+    q, k, v = qkv(torch.float32, 4, 4, 16)
+    anchor = anchor_for(q)
+    seen = []
+
+    def other():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v)
+        seen.append(ops.frame_depth())
+    with torch.no_grad():
+        open_frame(anchor)
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        assert ops.frame_close()[0] == 0
+    assert seen == [0] and attnstash.stash_stats()["records"] == 0
+
+
+def test_other_threads_run_python_while_a_frame_s_op_runs():
+    """F.sdpa releases the GIL while it runs, the op it becomes inside a frame included."""
     q, k, v = qkv(torch.float32, 8, 8, 64, batch=8, seq=512)
     anchor = anchor_for(q)
     counted, done = [0], threading.Event()
@@ -218,10 +244,18 @@ def test_other_threads_run_python_while_the_entry_s_op_runs():
     def count():
         while not done.is_set():
             counted[0] += 1
+
+    def kept():
+        open_frame(anchor)
+        try:
+            with torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v)
+        finally:
+            assert ops.frame_close()[0] == 1
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     start = time.perf_counter()
-    ops.KEEP(q, k, v, anchor, 0, None, 0.0, False, None, False)
+    kept()
     op_time = time.perf_counter() - start  # alone, no other thread waiting for the GIL
     interval = sys.getswitchinterval()
     # Far longer than the op: the counter can run during it only if the op releases the GIL.
@@ -230,11 +264,12 @@ def test_other_threads_run_python_while_the_entry_s_op_runs():
     thread.start()
     try:
         before = counted[0]
-        ops.KEEP(q, k, v, anchor, 0, None, 0.0, False, None, False)
+        kept()  # the same forward again: it shares the record
         during = counted[0] - before
     finally:
         done.set()
         thread.join()
         sys.setswitchinterval(interval)
         torch.set_num_threads(threads)
+        ops.stash_clear()
     assert during > 0

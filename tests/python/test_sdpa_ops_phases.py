@@ -134,15 +134,6 @@ def test_a_token_releases_what_is_held_under_it_as_it_is_freed():
     ops.release(kept_for_other)
 
 
-def test_the_installer_calls_the_ops_c_entry_and_gets_the_ops_result():
-    """ops.KEEP (the installer's hot path: test_sdpa_ops_entry.py) is the op: bitwise its result."""
-    q, k, v = qkv(torch.float32, 4, 4, 16)
-    anchor = anchor_for(q)
-    assert torch.equal(ops.KEEP(q, k, v, anchor, 0, None, 0.0, True, None, False),
-                       F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    assert ops.record_id(anchor, 0) == 0  # outside a checkpoint: plain, nothing kept
-
-
 def test_records_of_a_freed_anchor_are_released_by_the_next_call_or_stats_and_never_matched():
     torch.manual_seed(0)
     q, k, v = qkv(torch.float32, 4, 4, 64)

@@ -1,0 +1,168 @@
+// frames.cpp: the frames of stashed layers' forwards, and the kernel of
+// aten::scaled_dot_product_attention that sends the calls made inside them to the ops
+// (frames.h states the rule).
+#include "frames.h"
+
+#include "records.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/scaled_dot_product_attention_compositeimplicitautograd_dispatch.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstring>
+#include <deque>
+#include <mutex>
+
+namespace attnstash {
+namespace frames {
+namespace {
+
+// This thread's open frames, innermost last (a deque: a frame stays where it is while frames
+// open and close inside it).
+thread_local std::deque<Frame> open_frames;
+
+thread_local int64_t compiled_frames = 0;
+
+// Whether this thread runs the op a call was sent to (the op's own F.sdpa calls pass through).
+thread_local bool inside_op = false;
+
+// inside_op for as long as it lives.
+struct InsideOp {
+  InsideOp() { inside_op = true; }
+  ~InsideOp() { inside_op = false; }
+};
+std::atomic<CompiledAttention> compiled_attention{nullptr};
+
+// Torch's own kernel, the one a frame does not take the call from.
+at::Tensor torch_sdpa(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                      std::optional<double> scale, bool enable_gqa) {
+  return at::compositeimplicitautograd::scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
+                                                                     is_causal, scale, enable_gqa);
+}
+
+// A call torch.compile traces: functionalized, or a FakeTensor under its mode (a tensor subclass
+// in eager, such as a jagged nested tensor, is not: the ops refuse it with their own message).
+bool compile_traces(const at::Tensor& query) {
+  const c10::DispatchKeySet keys = query.key_set();
+  return keys.has(c10::DispatchKey::Functionalize) ||
+         (keys.has(c10::DispatchKey::Python) && c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python));
+}
+
+[[noreturn]] void fail(Frame& frame, Failure why, const std::string& message) {
+  frame.failure = why;
+  frame.message = message;
+  TORCH_CHECK(false, message);
+}
+
+// The state to note on the call's record (undefined: none), after checking it (RandomCheck).
+at::Tensor check_random(Frame& frame, int64_t slot, const at::Device& device) {
+  if (frame.random == RandomCheck::check) {
+    std::optional<at::Tensor> want = records::noted_rng(frame.anchor, slot);
+    if (want.has_value() && !at::equal(generator_state(device), *want))
+      fail(frame, Failure::random_state,
+           "attnstash: a recompute draws other random numbers before its attention than its first forward did, "
+           "so its query, key and value differ from the ones the kept output belongs to");
+    return at::Tensor();
+  }
+  at::Tensor now = generator_state(device);
+  if (now.sizes() == frame.random_start.sizes() && at::equal(now, frame.random_start)) return at::Tensor();
+  if (frame.random == RandomCheck::refuse)
+    fail(frame, Failure::random_state,
+         "attnstash: a first forward draws random numbers before its attention, and its checkpoint does not "
+         "restore the random state for the recompute (preserve_rng_state=False)");
+  return now;
+}
+
+using KeepOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                          const std::optional<at::Tensor>&, double, bool, std::optional<double>, bool);
+
+// aten::scaled_dot_product_attention on the keys frames.h names.
+at::Tensor sdpa_entry(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                      std::optional<double> scale, bool enable_gqa) {
+  if (inside_op) return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  if (compiled_frames > 0) {
+    const CompiledAttention hook = compiled_attention.load();
+    std::optional<at::Tensor> out;
+    if (hook != nullptr) {
+      InsideOp inside;
+      out = hook(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+    }
+    if (out.has_value()) return *out;
+  }
+  if (open_frames.empty()) return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  Frame& frame = open_frames.back();
+  if (!frame.keep || compile_traces(query))
+    return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  const int64_t index = frame.calls++;
+  if (frame.limit >= 0 && index >= frame.limit)
+    fail(frame, Failure::limit,
+         "attnstash: a recompute calls attention more often than its first forward did (" +
+             std::to_string(frame.limit) + " times)");
+  const int64_t slot = frame.slot_base + index;
+  const at::Tensor noted =
+      frame.random == RandomCheck::none ? at::Tensor() : check_random(frame, slot, query.device());
+  static const auto keep = c10::Dispatcher::singleton().findSchemaOrThrow("attnstash::sdpa_fwd_keep", "").typed<KeepOp>();
+  at::Tensor out;
+  try {
+    InsideOp inside;
+    out = keep.call(query, key, value, frame.anchor, slot, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  } catch (const c10::Error& e) {
+    const char* message = e.what_without_backtrace();
+    if (std::strncmp(message, "attnstash", 9) == 0) {
+      frame.failure = Failure::op;
+      frame.message = message;
+      frame.dropout_p = dropout_p;
+    }
+    throw;
+  }
+  if (frame.collect || noted.defined()) {
+    const int64_t id = records::record_id(frame.anchor, slot);
+    if (id != 0 && frame.collect) frame.ids.push_back(id);
+    if (id != 0 && noted.defined()) frame.noted = records::note_rng(id, noted) || frame.noted;
+  }
+  return out;
+}
+
+}  // namespace
+
+at::Tensor generator_state(const at::Device& device) {
+  at::Generator generator =
+      device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device);
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  return generator.get_state();
+}
+
+void open(Frame frame) { open_frames.push_back(std::move(frame)); }
+
+Frame close() {
+  TORCH_CHECK(!open_frames.empty(), "attnstash: a frame was closed on a thread that has none open");
+  Frame frame = std::move(open_frames.back());
+  open_frames.pop_back();
+  return frame;
+}
+
+size_t depth() { return open_frames.size(); }
+
+void set_compiled_attention(CompiledAttention hook) { compiled_attention.store(hook); }
+
+void set_compiled_frames(int64_t count) { compiled_frames = count; }
+
+}  // namespace frames
+}  // namespace attnstash
+
+// Direct registrations on the op's autograd keys take precedence over its
+// CompositeImplicitAutograd kernel, which sdpa_entry calls outside the frames.
+TORCH_LIBRARY_IMPL(aten, AutogradCPU, m) {
+  m.impl("scaled_dot_product_attention", TORCH_FN(attnstash::frames::sdpa_entry));
+}
+TORCH_LIBRARY_IMPL(aten, AutogradCUDA, m) {
+  m.impl("scaled_dot_product_attention", TORCH_FN(attnstash::frames::sdpa_entry));
+}
+TORCH_LIBRARY_IMPL(aten, AutogradNestedTensor, m) {
+  m.impl("scaled_dot_product_attention", TORCH_FN(attnstash::frames::sdpa_entry));
+}
