@@ -70,18 +70,6 @@ eagerly (core.stashed_forward turns it off there); taken as set where a torch re
 say."""
 
 
-def is_sdpa(func):
-    """Whether a torch function mode's `func` is F.scaled_dot_product_attention (the builtin
-    torch/nn/functional.py binds from torch._C._nn, read there at each call)."""
-    return func is torch._C._nn.scaled_dot_product_attention
-
-
-def sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
-                   enable_gqa=False):
-    """F.scaled_dot_product_attention's arguments, positional or keyword, as one tuple."""
-    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-
-
 def anchor_of(stash, args, kwargs, more_kwargs=None):
     """A stashed layer's input, what its forward anchors on: its first tensor argument
     (positional first, then keyword, then `more_kwargs`, a checkpointed partial's keywords)."""

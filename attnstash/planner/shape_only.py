@@ -14,7 +14,6 @@ from ..errors import PlanError
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ..install.layers import class_has_attention
-from ..install.state import is_sdpa, sdpa_arguments
 
 _aten = torch.ops.aten
 
@@ -152,6 +151,18 @@ class Call:
     is_causal: bool
     scale: Optional[float]
     enable_gqa: bool
+
+
+def is_sdpa(func):
+    """Whether a torch function mode's `func` is F.scaled_dot_product_attention (the builtin
+    torch/nn/functional.py binds from torch._C._nn, read there at each call)."""
+    return func is torch._C._nn.scaled_dot_product_attention
+
+
+def sdpa_arguments(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+                   enable_gqa=False):
+    """F.scaled_dot_product_attention's arguments, positional or keyword, as one tuple."""
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
 
 
 class _RecordSdpa(TorchFunctionMode):

@@ -9,7 +9,7 @@ from attnstash import ops
 def stash_is_empty_after_each_test():
     yield
     depth = ops.frame_depth()
-    while ops.frame_depth():
+    for _ in range(depth):
         ops.frame_close()
     if depth:
         pytest.fail(f"the test left {depth} frame(s) open on its thread")
