@@ -83,12 +83,13 @@ class Frame:
     recompute (which replays); its attention calls reach the ops through the native frame
     run_in_frame opens for it (torch_ops/frames.h). `limit`: the calls a recompute may make (its
     first forward's, where known). `random`: what the native frame checks of the random state
-    (random_state.check), from `random_input`'s device. `anchor`: what the ops anchor on: the token
-    where one is held (open_frame's `token`, Run.token), else the layer input; with a token the
-    frame is `owned`: the token releases what is kept under it as it is freed (ops.new_token).
-    Else a reentrant first forward is `listed`: the records it keeps are released if it is
-    interrupted. `kept`: the ids of the records its calls kept, where it is listed or has a
-    `mover`; `moved`: offload.py's, for those records, moved after it. Built by open_frame alone."""
+    (random_state.first_check, recompute_check), from `random_input`'s device. `anchor`: what the
+    ops anchor on: the token where one is held (open_frame's `token`, Run.token), else the layer
+    input; with a token the frame is `owned`: the token releases what is kept under it as it is
+    freed (ops.new_token). Else a reentrant first forward is `listed`: the records it keeps are
+    released if it is interrupted. `kept`: the ids of the records its calls kept, where it is
+    listed or has a `mover`; `moved`: offload.py's, for those records, moved after it. Built by
+    open_frame alone."""
     __slots__ = ("stash", "anchor", "owned", "keep", "first", "calls", "limit", "random", "random_input", "listed",
                  "kept", "mover", "moved")
 
