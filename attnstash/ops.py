@@ -77,11 +77,23 @@ def _entry(packet):
     return getattr(overload, "_op", overload)
 
 
-# The autograd state of this thread that the ops' phase rules read (torch_ops/keep_replay.h), for
-# the installer's frames to read the same: whether a backward pass runs, and whether saved-tensor
-# hooks are pushed (a non-reentrant checkpoint's, offloading's). Plain C functions of attnstash/_C.
-inside_backward = NATIVE.inside_backward
-saved_tensor_hooks_pushed = NATIVE.saved_tensor_hooks_pushed
+frame_phase = NATIVE.frame_phase
+"""(outer_grad) -> FramePhase value: the phase of a stashed layer's forward as it starts, from this
+thread's autograd state (torch_ops/keep_replay.h states the rule). `outer_grad`: the grad mode of
+the call outside the layer's checkpoint, 1 or 0 (a bool does), or -1 where it cannot be seen."""
+
+
+class FramePhase(enum.IntEnum):
+    """The phase of a stashed layer's forward (torch_ops/keep_replay.h, FramePhase): frame_phase's
+    values. The recomputes first, then the first forwards that keep, then the rest."""
+    recompute = 0
+    recompute_without_grad = 1
+    reentrant_first = 2
+    reentrant_first_hooked = 3
+    non_reentrant_first = 4
+    unreachable = 5
+    outside_checkpoint = 6
+
 
 NATIVE._set_token_binding(_entry(_ops._new_token))
 NEW_TOKEN = NATIVE.new_token

@@ -233,6 +233,15 @@ Phase phase_of(const SdpaCall& call, const at::Tensor& anchor) {
   return hooks && any_requires_grad(call) ? Phase::non_reentrant_first_forward : Phase::plain;
 }
 
+FramePhase frame_phase(int outer_grad) {
+  const bool grad = at::GradMode::is_enabled();
+  if (inside_backward()) return grad ? FramePhase::recompute : FramePhase::recompute_without_grad;
+  const bool hooks = saved_tensor_hooks_pushed();
+  if (grad) return hooks ? FramePhase::non_reentrant_first : FramePhase::outside_checkpoint;
+  if (outer_grad == 0 || c10::InferenceMode::is_enabled()) return FramePhase::unreachable;
+  return hooks ? FramePhase::reentrant_first_hooked : FramePhase::reentrant_first;
+}
+
 Phase compiled_phase_of(const SdpaCall& call, const at::Tensor& anchor) {
   if (is_empty(call) || c10::InferenceMode::is_enabled()) return Phase::plain;
   if (inside_backward()) return Phase::recompute;

@@ -27,12 +27,30 @@ enum class Phase {
 };
 Phase phase_of(const SdpaCall& call, const at::Tensor& anchor);
 
-// The facts the rules above read from this thread's autograd state, which the installer's
-// frames read too (attnstash/install/core.py and compiled.py, through attnstash.ops): whether
-// a backward pass runs, and whether saved-tensor hooks are pushed (a non-reentrant
-// checkpoint's, offloading's).
+// The facts the rules above read from this thread's autograd state: whether a backward pass
+// runs, and whether saved-tensor hooks are pushed (a non-reentrant checkpoint's, offloading's).
 bool inside_backward();
 bool saved_tensor_hooks_pushed();
+
+// The phase of one forward of a stashed layer (a frame: frames.h), the rule above read as the
+// forward starts, before any attention call, from the same state. The installer opens the
+// frame by it (attnstash/install/core.py: what it keeps, checks and refuses in each), and each
+// call is then still decided by phase_of. `outer_grad`: the grad mode of the call outside the
+// layer's checkpoint (1 on, 0 off, -1 where it cannot be seen).
+enum class FramePhase {
+  recompute = 0,                // inside a backward pass, grad on: its calls replay.
+  recompute_without_grad = 1,   // inside a backward pass, grad off: nothing to replay.
+  reentrant_first = 2,          // outside backward, grad off, no saved-tensor hooks, and a
+                                // backward can reach it (outer_grad not 0): keeps.
+  reentrant_first_hooked = 3,   // the same under saved-tensor hooks (offloading around a
+                                // reentrant checkpoint): keeps only on a token anchor.
+  non_reentrant_first = 4,      // outside backward, grad on, under saved-tensor hooks: keeps.
+  unreachable = 5,              // grad off and outer_grad 0, or inference mode: no backward
+                                // can reach it, nothing kept.
+  outside_checkpoint = 6,       // outside backward, grad on, no saved-tensor hooks: no
+                                // checkpoint runs it, so no recompute follows.
+};
+FramePhase frame_phase(int outer_grad);
 
 // The phase of a call in a graph torch.compile traced inside an activation checkpoint that
 // runs eagerly (attnstash::_sdpa_compiled), decided when the graph runs. Grad mode says

@@ -20,11 +20,17 @@
 extern "C" __attribute__((used)) const char attnstash_built_for_torch[] =
     "attnstash-built-for-torch:" ATTNSTASH_TORCH_VERSION ";";
 
-// The autograd state the phase rules read (keep_replay.h), for the installer's frames.
-static PyObject* inside_backward(PyObject*, PyObject*) { return PyBool_FromLong(attnstash::inside_backward()); }
-
-static PyObject* saved_tensor_hooks_pushed(PyObject*, PyObject*) {
-  return PyBool_FromLong(attnstash::saved_tensor_hooks_pushed());
+// frame_phase(outer_grad) -> int: the phase of a stashed layer's forward as it starts
+// (keep_replay.h, FramePhase), for the installer to open its frame by.
+static PyObject* frame_phase(PyObject*, PyObject* outer_grad) {
+  const long outer = PyLong_AsLong(outer_grad);
+  if (outer == -1 && PyErr_Occurred()) return nullptr;
+  if (outer < -1 || outer > 1) {
+    PyErr_Format(PyExc_ValueError, "attnstash: _C.frame_phase takes the outer grad mode as 1, 0 or -1 (unseen), got %ld",
+                 outer);
+    return nullptr;
+  }
+  return PyLong_FromLong(static_cast<long>(attnstash::frame_phase(static_cast<int>(outer))));
 }
 
 // ---- new_token: attnstash::_new_token's kernel (records.h), called directly ---------------------
@@ -181,9 +187,9 @@ static PyObject* set_token_binding(PyObject*, PyObject* binding) {
 }
 
 static PyMethodDef attnstash_methods[] = {
-    {"inside_backward", inside_backward, METH_NOARGS, "Whether a backward pass runs on this thread."},
-    {"saved_tensor_hooks_pushed", saved_tensor_hooks_pushed, METH_NOARGS,
-     "Whether saved-tensor hooks are pushed on this thread (a non-reentrant checkpoint's, offloading's)."},
+    {"frame_phase", frame_phase, METH_O,
+     "The phase of a stashed layer's forward as it starts (torch_ops/keep_replay.h, FramePhase), given the grad "
+     "mode outside its checkpoint (1, 0, or -1 where unseen)."},
     {"new_token", new_token, METH_NOARGS,
      "attnstash::_new_token(): the op's kernel called directly, or its binding where a mode would see the call."},
     {"frame_open", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_open)), METH_FASTCALL,

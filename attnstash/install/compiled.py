@@ -144,7 +144,7 @@ def _inside_eager_checkpoint():
     diffusers' compile_repeated_blocks): a recompute, or the first forward of a non-reentrant
     checkpoint (its saved-tensor hooks). Evaluated once, as dynamo traces, from the eager state
     it traces in."""
-    return ops.inside_backward() or ops.saved_tensor_hooks_pushed()
+    return ops.frame_phase(-1) != ops.FramePhase.outside_checkpoint  # (grad on: a recompute, or non-reentrant)
 
 
 def _eager_checkpoint_forward(layer, forward, args, kwargs, anchor):

@@ -24,8 +24,9 @@ recompute is handed again (a reentrant checkpoint passes a detached alias of it)
 saved-tensor hooks, which may hand it a copy, a token module_call.py keeps for the forward.
 
 Phase, frame and slots. Each forward of a stashed layer runs in a frame on its thread's
-stack (open_frame decides the phase; the ops decide again from what they see, by the rule in
-torch_ops/keep_replay.h). run_in_frame opens a native frame around the forward, inside which
+stack, opened by the phase the forward starts in (ops.frame_phase: the rule and its cases are
+torch_ops/keep_replay.h's FramePhase; open_frame says what each keeps, checks and refuses; the
+ops decide each call's phase again from what they see). run_in_frame opens a native frame around the forward, inside which
 its attention calls, by whatever name, go to the ops at the layer's slots, as
 torch_ops/frames.h states; random_state.py says what the frame checks of the random state
 before each call.
@@ -90,40 +91,40 @@ class Frame:
     released if it is interrupted. `kept`: the ids of the records its calls kept, where it is
     listed or has a `mover`; `moved`: offload.py's, for those records, moved after it. Built by
     open_frame alone."""
-    __slots__ = ("stash", "anchor", "owned", "keep", "first", "calls", "limit", "random", "random_input", "listed",
-                 "kept", "mover", "moved")
+    __slots__ = ("stash", "anchor", "owned", "keep", "first", "reentrant", "calls", "limit", "random", "random_input",
+                 "listed", "kept", "mover", "moved")
 
 
 _new_frame = object.__new__
 
+# ops.FramePhase's values, as plain ints for the hot path.
+RECOMPUTE, RECOMPUTE_WITHOUT_GRAD, REENTRANT_FIRST, REENTRANT_FIRST_HOOKED, NON_REENTRANT_FIRST, UNREACHABLE, \
+    OUTSIDE_CHECKPOINT = (int(p) for p in ops.FramePhase)
 
-def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=None, token=None):
-    """The frame of one forward of a stashed layer, by the phase it runs in (`backward`: whether
-    it runs inside a backward pass, ops.inside_backward()). `outer_grad`: the
-    grad mode of the call outside its checkpoint; `limit`: for a recompute, how many attention
-    calls its first forward made; `preserves`: whether its checkpoint restores the random
-    state for the recompute (preserves_rng). None: cannot be seen. `token`: what the ops anchor
-    on in place of the layer input `anchor`, where a Run holds one (Run.token). With a token,
-    `anchor` is read only by a first forward whose `preserves` is not True (the random state's
-    device) or whose layer has its own offload (offload.mover_for), and may be None otherwise
-    (Run.__call__ reads it only then)."""
-    grad = torch.is_grad_enabled()
-    if backward:  # a recompute: it makes the calls its first forward made
-        keep = grad and limit != 0
-        first, mover = False, None
+
+def open_frame(stash, anchor, phase, limit=None, preserves=None, token=None):
+    """The frame of one forward of a stashed layer, by the phase it starts in (`phase`:
+    ops.frame_phase's). `limit`: for a recompute, how many attention calls its first forward
+    made; `preserves`: whether its checkpoint restores the random state for the recompute
+    (preserves_rng). None: cannot be seen. `token`: what the ops anchor on in place of the layer
+    input `anchor`, where a Run holds one (Run.token). With a token, `anchor` is read only by a
+    first forward whose `preserves` is not True (the random state's device) or whose layer has
+    its own offload (offload.mover_for), and may be None otherwise (Run.__call__ reads it only
+    then)."""
+    if phase <= RECOMPUTE_WITHOUT_GRAD:  # a recompute: it makes the calls its first forward made
+        keep = phase == RECOMPUTE and limit != 0
+        first, reentrant, mover = False, False, None
         random = random_state.recompute_check(stash) if keep else ops.RandomCheck.none
     else:
-        hooks = ops.saved_tensor_hooks_pushed()
-        if grad and not hooks:
+        if phase == OUTSIDE_CHECKPOINT:
             raise CheckpointingError(
                 f"attnstash: {stash.name} is stashed, but its training forward runs outside any activation "
                 "checkpoint (grad mode on, outside backward, no checkpoint's saved-tensor hooks), so there is no "
                 "recompute to save and the stash could only cost memory. Checkpoint this layer (reentrant or not), "
                 "or do not stash it.")
-        # Grad off: a reentrant checkpoint's first forward, or a forward under no_grad that no
-        # backward can reach; the call outside the checkpoint tells them apart, where it is seen.
-        keep = reachable = grad or outer_grad is None or outer_grad
-        if not grad and hooks and reachable and token is None and anchor.requires_grad:
+        keep = phase != UNREACHABLE
+        reentrant = phase != NON_REENTRANT_FIRST
+        if phase == REENTRANT_FIRST_HOOKED and token is None and anchor.requires_grad:
             raise CheckpointingError(
                 f"attnstash: {stash.name} runs a reentrant checkpoint under saved-tensor hooks (offloaded "
                 "checkpointing: torch.autograd.graph.save_on_cpu, or an offloading context), and its input is a "
@@ -132,14 +133,15 @@ def open_frame(stash, anchor, backward, outer_grad=None, limit=None, preserves=N
                 "forward for as long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), "
                 "use non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
         first = True
-        random = random_state.first_check(preserves) if reachable else ops.RandomCheck.none
-        mover = offload.mover_for(stash, anchor, grad) if reachable and token is not None and \
-            (hooks or stash.install.offload is not None) else None
+        random = random_state.first_check(preserves) if keep else ops.RandomCheck.none
+        mover = offload.mover_for(stash, anchor, not reentrant) if keep and token is not None and \
+            (phase != REENTRANT_FIRST or stash.install.offload is not None) else None
     frame = _new_frame(Frame)  # (no __init__: a Python call less per forward)
-    frame.stash, frame.keep, frame.first, frame.calls, frame.limit = stash, keep, first, 0, limit
+    frame.stash, frame.keep, frame.first, frame.reentrant, frame.calls, frame.limit = \
+        stash, keep, first, reentrant, 0, limit
     frame.random, frame.random_input = random, anchor
     frame.anchor, frame.owned = (anchor, False) if token is None else (token, True)
-    frame.listed = first and token is None and not grad  # a reentrant one's, on its input
+    frame.listed = reentrant and token is None  # a reentrant first forward's, on its input
     frame.kept, frame.mover, frame.moved = None, mover, None
     return frame
 
@@ -164,7 +166,7 @@ def run_in_frame(frame, fn, args, kwargs):
         if frame.first:  # an interrupted forward (an error, Ctrl-C) keeps nothing
             if frame.listed:
                 release(frame.kept)
-            elif frame.owned and not torch.is_grad_enabled():  # a reentrant one's, under a token that may outlive it
+            elif frame.owned and frame.reentrant:  # under a token that may outlive it
                 release(ops.record_id(frame.anchor, frame.stash.slot_base + k) for k in range(frame.calls))
         if failure is not None:
             raise frame_error(frame, *failure, error) from (error if failure[0] == ops.Failure.op else None)
@@ -235,31 +237,31 @@ def _eager_forward(layer, forward, args, kwargs):
     stash = layer.__dict__.get(ATTR)
     if stash is None or state.active(stash):  # not stashed, or inside its Run (which has the frame)
         return forward(*args, **kwargs)
-    backward = ops.inside_backward()
+    phase = ops.frame_phase(-1)  # (the call outside its checkpoint is not seen here)
     if stash.reach is CHECKPOINT_FUNCTION and layer.training:
         if getattr(layer, "gradient_checkpointing", False):
             # Its frames come from its Run, which a training forward must reach. A reentrant
             # first forward runs without grad, where this cannot be told from a no-grad forward;
             # its recompute, which runs in backward with grad and without a Run, can.
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            if backward:
+            if phase == RECOMPUTE:
                 raise _unreached(stash, layer, "its recompute ran")
+            if phase != NON_REENTRANT_FIRST and phase != OUTSIDE_CHECKPOINT:  # grad off
+                return forward(*args, **kwargs)
             reached = state.thread.reached
             before = reached.get(stash.slot_base, 0)
             out = forward(*args, **kwargs)
             if reached.get(stash.slot_base, 0) == before:
                 raise _unreached(stash, layer, "its training forward ran")
             return out
-        if torch.is_grad_enabled() and not backward and not ops.saved_tensor_hooks_pushed():
+        if phase == OUTSIDE_CHECKPOINT:
             raise compiled.checkpointing_off(stash)
     # Eval and generation: untouched; a recompute follows its first forward, whatever the
     # training flag says by then.
-    if not layer.training and not backward:
+    if not layer.training and phase > RECOMPUTE_WITHOUT_GRAD:
         return forward(*args, **kwargs)
     anchor = state.anchor_of(stash, args, kwargs)
-    entry = module_call.pending_for(stash, anchor, backward, ops.saved_tensor_hooks_pushed)
-    frame = open_frame(stash, anchor, backward, token=entry and entry.token)
+    entry = module_call.pending_for(stash, anchor, phase)
+    frame = open_frame(stash, anchor, phase, token=entry and entry.token)
     out = run_in_frame(frame, forward, args, kwargs)
     if frame.moved is not None:
         entry.moved = frame.moved  # (a first forward: its entry holds what offload.py moved)
@@ -346,17 +348,18 @@ class Run(functools.partial):
 
     def __call__(self, *args, **kwargs):
         stash = self.stash
-        if ops.inside_backward():
+        phase = ops.frame_phase(self.outer_grad)
+        if phase <= RECOMPUTE_WITHOUT_GRAD:
             if self.moved is not None:
                 self.moved.fetch()
-            return run_in_frame(open_frame(stash, None, True, limit=self.routed if self.routed is not None else 0,
+            return run_in_frame(open_frame(stash, None, phase, limit=self.routed if self.routed is not None else 0,
                                            token=self.token), self.fn, args, kwargs)
         reached = state.thread.reached
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
         # The layer input, only where the first forward reads it (open_frame says when); the ops anchor on the token.
         anchor = state.anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None)) \
             if self.preserves is not True or stash.install.offload is not None else None
-        frame = open_frame(stash, anchor, False, self.outer_grad, preserves=self.preserves, token=self.token)
+        frame = open_frame(stash, anchor, phase, preserves=self.preserves, token=self.token)
         out = run_in_frame(frame, self.fn, args, kwargs)
         self.routed, self.moved = (frame.calls if frame.keep else 0), frame.moved
         return out

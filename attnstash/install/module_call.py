@@ -15,8 +15,6 @@ than one it cannot tell apart, and says so.
 """
 import weakref
 
-import torch
-
 from .. import ops
 from ..errors import ReplayError
 
@@ -62,14 +60,15 @@ def _handed(entry, layer_input):
         original.shape == layer_input.shape
 
 
-def pending_for(stash, layer_input, backward, hooks_active):
+def pending_for(stash, layer_input, phase):
     """The Pending entry whose token a MODULE_CALL layer's forward anchors on in place of its
-    input, or None (the input)."""
-    grad = torch.is_grad_enabled()
-    if backward:
-        return _for_recompute(stash, layer_input) if grad else None
-    own = stash.install.offload is not None
-    return _for_first_forward(stash, layer_input, grad) if own or hooks_active() else None
+    input, or None (the input). `phase`: the forward's (ops.frame_phase)."""
+    if phase == ops.FramePhase.recompute:
+        return _for_recompute(stash, layer_input)
+    if phase == ops.FramePhase.non_reentrant_first or phase == ops.FramePhase.reentrant_first_hooked or \
+            (phase == ops.FramePhase.reentrant_first and stash.install.offload is not None):
+        return _for_first_forward(stash, layer_input, phase == ops.FramePhase.non_reentrant_first)
+    return None
 
 
 def _for_first_forward(stash, layer_input, grad):

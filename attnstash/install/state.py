@@ -1,7 +1,7 @@
 """What the installer holds for the whole process, for each install and for each thread: stated
 here once, below core.py and compiled.py, which both read it (none reaches into
-another's privates for it). What it reads of torch's autograd state, the ops read too
-(ops.inside_backward, ops.saved_tensor_hooks_pushed)."""
+another's privates for it). The phase each forward starts in is not kept here: the ops read it
+from torch's autograd state (ops.frame_phase)."""
 import itertools
 import threading
 import weakref

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include <optional>
@@ -14,6 +15,7 @@
 #include <thread>
 
 #include "frames.h"
+#include "keep_replay.h"
 #include "records.h"
 
 namespace {
@@ -172,6 +174,32 @@ TEST_F(Frames, AFrameIsItsThreadsAlone) {
   EXPECT_EQ(depth_there, 0u);
   EXPECT_EQ(attnstash::frames::close().calls, 0);
   EXPECT_EQ(Keeps(), 0);
+}
+
+}  // namespace
+
+namespace {
+
+// The phase a stashed forward starts in (keep_replay.h, FramePhase), where C++ alone can set
+// the state: grad mode, inference mode, the outer grad mode. (Backward passes and saved-tensor
+// hooks: tests/python/test_sdpa_ops_phases.py.)
+TEST(FramePhase, GradModeInferenceModeAndTheOuterGradModeDecideOutsideBackward) {
+  using attnstash::FramePhase;
+  using attnstash::frame_phase;
+  {
+    at::AutoGradMode grad(true);
+    for (int outer : {-1, 0, 1}) EXPECT_EQ(frame_phase(outer), FramePhase::outside_checkpoint);
+  }
+  {
+    at::AutoGradMode no_grad(false);
+    EXPECT_EQ(frame_phase(-1), FramePhase::reentrant_first);
+    EXPECT_EQ(frame_phase(1), FramePhase::reentrant_first);
+    EXPECT_EQ(frame_phase(0), FramePhase::unreachable);
+  }
+  {
+    c10::InferenceMode inference;
+    for (int outer : {-1, 0, 1}) EXPECT_EQ(frame_phase(outer), FramePhase::unreachable);
+  }
 }
 
 }  // namespace

@@ -204,32 +204,57 @@ def test_stats_report_every_counter_with_its_meaning():
     assert list(meanings) == names and all(meanings.values())
 
 
-def test_the_autograd_state_the_installer_reads_is_what_torch_reports():
-    """ops.inside_backward and ops.saved_tensor_hooks_pushed (the C++ the phase rules read) agree
-    with torch's own view: outside everything, inside a backward, under saved-tensor hooks (a
-    non-reentrant checkpoint's, save_on_cpu's), and in a reentrant checkpoint's recompute."""
+def test_the_phase_a_stashed_forward_starts_in():
+    """ops.frame_phase (keep_replay.h, FramePhase: what the installer opens each frame by) in every
+    place a stashed layer's forward runs: outside everything, under no_grad, in inference mode,
+    inside a backward, under offloading's saved-tensor hooks, and in each checkpoint's first
+    forward and recompute, with the outer grad mode seen on, off, or not at all."""
+    P = ops.FramePhase
     seen = []
 
     def note(where):
-        seen.append((where, ops.inside_backward(), torch._C._current_graph_task_id() != -1,
-                     ops.saved_tensor_hooks_pushed(), torch._C._autograd._top_saved_tensors_default_hooks(True)
-                     is not None))
+        seen.append((where, P(ops.frame_phase(-1)), P(ops.frame_phase(True)), P(ops.frame_phase(0))))
 
     def layer(x):
         note("forward" if torch._C._current_graph_task_id() == -1 else "recompute")
         return x.sin()
 
     note("outside")
+    with torch.no_grad():
+        note("no_grad")
+    with torch.inference_mode():
+        note("inference_mode")
     x = torch.randn(3, requires_grad=True)
     y = x * 2
-    y.register_hook(lambda g: note("backward") or g)
+    y.register_hook(lambda g: note("backward") or g)  # (a backward runs its hooks with grad off)
+    y.register_hook(lambda g: _with_grad(note, "backward, grad on") or g)
     y.sum().backward()
     with torch.autograd.graph.save_on_cpu():
         note("save_on_cpu")
+        with torch.no_grad():
+            note("save_on_cpu, no_grad")
     for reentrant in (True, False):
         checkpoint(layer, x * 1, use_reentrant=reentrant).sum().backward()
-    assert [(w, b, h) for w, b, _, h, _ in seen] == [
-        ("outside", False, False), ("backward", True, False), ("save_on_cpu", False, True),
-        ("forward", False, False), ("recompute", True, False), ("forward", False, True),
-        ("recompute", True, True)]  # (a non-reentrant recompute runs under the checkpoint's own hooks)
-    assert all(b == torch_b and h == torch_h for _, b, torch_b, h, torch_h in seen)
+    with torch.autograd.graph.save_on_cpu():
+        checkpoint(layer, x * 1, use_reentrant=True).sum().backward()
+    outside, first, hooked = P.outside_checkpoint, P.reentrant_first, P.reentrant_first_hooked
+    assert seen == [
+        ("outside", outside, outside, outside),
+        ("no_grad", first, first, P.unreachable),
+        ("inference_mode", P.unreachable, P.unreachable, P.unreachable),
+        ("backward", P.recompute_without_grad, P.recompute_without_grad, P.recompute_without_grad),
+        ("backward, grad on", P.recompute, P.recompute, P.recompute),
+        ("save_on_cpu", P.non_reentrant_first, P.non_reentrant_first, P.non_reentrant_first),
+        ("save_on_cpu, no_grad", hooked, hooked, P.unreachable),
+        ("forward", first, first, P.unreachable), ("recompute", P.recompute, P.recompute, P.recompute),
+        # (a non-reentrant checkpoint runs its first forward and its recompute under its own hooks)
+        ("forward", P.non_reentrant_first, P.non_reentrant_first, P.non_reentrant_first),
+        ("recompute", P.recompute, P.recompute, P.recompute),
+        ("forward", hooked, hooked, P.unreachable), ("recompute", P.recompute, P.recompute, P.recompute)]
+    with pytest.raises(ValueError, match="takes the outer grad mode as 1, 0 or -1 .unseen., got 2"):
+        ops.frame_phase(2)
+
+
+def _with_grad(fn, *args):
+    with torch.enable_grad():
+        return fn(*args)
