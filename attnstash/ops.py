@@ -104,13 +104,16 @@ call (torch_ops/python_module.cpp says which), the same call either way."""
 # The frames the installer opens around each forward of a stashed layer: inside one that keeps,
 # aten::scaled_dot_product_attention goes to sdpa_fwd_keep (torch_ops/frames.h states the rule).
 frame_open = NATIVE.frame_open
-"""(anchor, slot_base, limit, keep, collect, random, random_input): open a frame on this thread,
-inside those open on it. `limit` -1 for none; `random` a RandomCheck; `random_input` the layer
-input whose device's random state a note or refuse check starts from (else None)."""
+"""(anchor, slot_base, limit, phase, collect, random, random_input) -> keep: open a frame on this
+thread, inside those open on it, for a forward that starts in `phase` (a FramePhase), which
+decides whether its calls keep (returned) and whether the frame owns what they keep until it
+closes. `limit` -1 for none; `random` a RandomCheck; `random_input` the layer input whose
+device's random state a note or refuse check starts from (else None)."""
 frame_close = NATIVE.frame_close
-"""() -> (calls, ids or None, noted, failure or None): close this thread's innermost frame. `ids`:
-the records its calls kept (opened with `collect`); `noted`: a call noted a random state on its
-record; `failure`: (Failure, message, dropout_p) of the call it refused."""
+"""(interrupted) -> (calls, ids or None, noted, failure or None): close this thread's innermost
+frame; `interrupted`: its forward raised, and what the frame owns is released. `ids`: the records
+its calls kept (opened with `collect`); `noted`: a call noted a random state on its record;
+`failure`: (Failure, message, dropout_p) of the call it refused."""
 frame_depth = NATIVE.frame_depth
 """How many frames are open on this thread."""
 set_compiled_attention = NATIVE._set_compiled_attention

@@ -120,9 +120,10 @@ at::Tensor sdpa_entry(const at::Tensor& query, const at::Tensor& key, const at::
     }
     throw;
   }
-  if (frame.collect || noted.defined()) {
+  ++frame.kept;
+  if (frame.collect || frame.owns_by_id || noted.defined()) {
     const int64_t id = records::record_id(frame.anchor, slot);
-    if (id != 0 && frame.collect) frame.ids.push_back(id);
+    if (id != 0 && (frame.collect || frame.owns_by_id)) frame.ids.push_back(id);
     if (id != 0 && noted.defined()) frame.noted = records::note_rng(id, noted) || frame.noted;
   }
   return out;
@@ -139,10 +140,38 @@ at::Tensor generator_state(const at::Device& device) {
 
 void open(Frame frame) { open_frames.push_back(std::move(frame)); }
 
-Frame close() {
+bool open(Frame frame, FramePhase phase, const at::Tensor& random_input) {
+  const bool first = phase != FramePhase::recompute && phase != FramePhase::recompute_without_grad;
+  frame.keep = first ? phase != FramePhase::unreachable && phase != FramePhase::outside_checkpoint
+                     : phase == FramePhase::recompute && frame.limit != 0;
+  frame.owns = frame.keep && (phase == FramePhase::reentrant_first || phase == FramePhase::reentrant_first_hooked);
+  // A token names its records by slot; another anchor may share them with an earlier forward.
+  frame.owns_by_id = frame.owns && !records::is_token(frame.anchor);
+  if (!frame.keep) {
+    frame.random = RandomCheck::none;
+  } else if (frame.random == RandomCheck::note || frame.random == RandomCheck::refuse) {
+    TORCH_CHECK(random_input.defined(), "attnstash: a frame's note or refuse check needs the layer input");
+    frame.random_start = generator_state(random_input.device());
+  }
+  const bool keep = frame.keep;
+  open(std::move(frame));
+  return keep;
+}
+
+Frame close(bool interrupted) {
   TORCH_CHECK(!open_frames.empty(), "attnstash: a frame was closed on a thread that has none open");
   Frame frame = std::move(open_frames.back());
   open_frames.pop_back();
+  if (interrupted && frame.owns) {
+    if (frame.owns_by_id) {
+      for (int64_t id : frame.ids) records::release(id);
+    } else {
+      for (int64_t k = 0; k < frame.kept; ++k) {
+        const int64_t id = records::record_id(frame.anchor, frame.slot_base + k);
+        if (id != 0) records::release(id);
+      }
+    }
+  }
   return frame;
 }
 

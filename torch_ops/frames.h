@@ -20,11 +20,19 @@
 // its calls goes first to the installer's `compiled_attention`, which returns what the call is
 // traced or run as (attnstash::_sdpa_compiled) or nothing (the rules above then apply).
 //
+// A frame opens by the phase its forward starts in (keep_replay.h, FramePhase; `open`): that
+// decides whether its calls keep (or replay), and whether the frame owns what they keep until
+// it closes: a reentrant first forward's records are released by the frame itself if the forward
+// is interrupted (an error, Ctrl-C: close(true)); any other record's owner is its anchor's
+// (records.h: a token, a non-reentrant node, the layer input's storage).
+//
 // The frame also checks the random state before each call (RandomCheck) and lists what it
 // kept, for the installer; it never raises a Python error itself: a call it refuses fails
 // with a RuntimeError, and the frame says why (Failure), so that the installer can name the
-// layer and raise its own error class (core.py, close_frame).
+// layer and raise its own error class (core.py, frame_error).
 #pragma once
+
+#include "keep_replay.h"
 
 #include <ATen/ATen.h>
 
@@ -60,13 +68,16 @@ struct Frame {
   int64_t slot_base = 0;  // its layer's first slot
   int64_t limit = -1;     // a recompute: the calls its first forward made (-1: no limit)
   bool keep = false;      // whether its calls go to the ops (else: torch's own kernel)
-  bool collect = false;   // whether to list the ids of the records its calls keep
+  bool owns = false;      // whether an interrupted forward's records are released as it closes
+  bool owns_by_id = false;  // owns, on an anchor that is not a token: by the ids it lists
+  bool collect = false;   // whether to list the ids of the records its calls keep (for the installer)
   RandomCheck random = RandomCheck::none;
   at::Tensor random_start;  // note, refuse: the generator's state when the forward started
 
   // What its calls did:
   int64_t calls = 0;         // calls that went to the ops
-  std::vector<int64_t> ids;  // with `collect`: the records they keep
+  int64_t kept = 0;          // those the op returned from
+  std::vector<int64_t> ids;  // with `collect`, or `owns` on an anchor that is not a token: the records they keep
   bool noted = false;        // a call noted a random state on its record
   Failure failure = Failure::none;
   std::string message;       // the op's message, for Failure::op
@@ -77,11 +88,20 @@ struct Frame {
 // torch.cuda.get_rng_state(device) return.
 at::Tensor generator_state(const at::Device& device);
 
-// Open a frame on this thread, inside those already open on it.
+// Open a frame on this thread, inside those already open on it, as `frame` says.
 void open(Frame frame);
 
-// Close this thread's innermost frame and return it; fails if none is open.
-Frame close();
+// Open the frame of a stashed layer's forward that starts in `phase`: its `keep` and `owns` set
+// by it, the rest as `frame` says. It keeps in a recompute whose first forward called attention
+// (`limit` not 0) and in a first forward that a backward can reach; it owns what a reentrant
+// first forward (with or without offloading's hooks) keeps. A frame that keeps and makes a note
+// or refuse check takes its `random_start` from the generator of `random_input`'s device (the
+// layer input's). Returns `keep`.
+bool open(Frame frame, FramePhase phase, const at::Tensor& random_input);
+
+// Close this thread's innermost frame and return it; fails if none is open. `interrupted`: its
+// forward raised; what the frame owns is released.
+Frame close(bool interrupted = false);
 
 // How many frames are open on this thread.
 size_t depth();

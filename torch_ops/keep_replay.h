@@ -33,17 +33,19 @@ bool inside_backward();
 bool saved_tensor_hooks_pushed();
 
 // The phase of one forward of a stashed layer (a frame: frames.h), the rule above read as the
-// forward starts, before any attention call, from the same state. The installer opens the
-// frame by it (attnstash/install/core.py: what it keeps, checks and refuses in each), and each
-// call is then still decided by phase_of. `outer_grad`: the grad mode of the call outside the
-// layer's checkpoint (1 on, 0 off, -1 where it cannot be seen).
+// forward starts, before any attention call, from the same state. The frame opens by it
+// (frames.h: whether its calls keep, what it owns), the installer checks and refuses by it
+// (attnstash/install/core.py, open_frame), and each call is then still decided by phase_of.
+// `outer_grad`: the grad mode of the call outside the layer's checkpoint (1 on, 0 off, -1 where
+// it cannot be seen).
 enum class FramePhase {
   recompute = 0,                // inside a backward pass, grad on: its calls replay.
   recompute_without_grad = 1,   // inside a backward pass, grad off: nothing to replay.
   reentrant_first = 2,          // outside backward, grad off, no saved-tensor hooks, and a
                                 // backward can reach it (outer_grad not 0): keeps.
   reentrant_first_hooked = 3,   // the same under saved-tensor hooks (offloading around a
-                                // reentrant checkpoint): keeps only on a token anchor.
+                                // reentrant checkpoint): its calls keep on a token anchor
+                                // only (phase_of).
   non_reentrant_first = 4,      // outside backward, grad on, under saved-tensor hooks: keeps.
   unreachable = 5,              // grad off and outer_grad 0, or inference mode: no backward
                                 // can reach it, nothing kept.

@@ -61,14 +61,15 @@ static PyObject* new_token(PyObject*, PyObject*) {
 
 // ---- frames: opened and closed by the installer around each forward of a stashed layer -----------
 // (frames.h states what a frame does.)
-// frame_open(anchor, slot_base, limit, keep, collect, random, random_input): `limit` -1 for none,
-// `random` a frames::RandomCheck value, `random_input` the layer input whose device's generator
-// state starts a note or refuse check (else None).
+// frame_open(anchor, slot_base, limit, phase, collect, random, random_input) -> keep: `limit` -1
+// for none, `phase` a FramePhase value (keep_replay.h), `random` a frames::RandomCheck value,
+// `random_input` the layer input whose device's generator state starts a note or refuse check
+// (else None).
 static PyObject* frame_open(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   if (nargs != 7 || !THPVariable_Check(args[0])) {
     PyErr_SetString(PyExc_TypeError,
-                    "attnstash: _C.frame_open takes (anchor tensor, slot_base, limit, keep, collect, random, "
+                    "attnstash: _C.frame_open takes (anchor tensor, slot_base, limit, phase, collect, random, "
                     "random_input)");
     return nullptr;
   }
@@ -76,28 +77,30 @@ static PyObject* frame_open(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   frame.anchor = THPVariable_Unpack(args[0]);
   frame.slot_base = PyLong_AsLongLong(args[1]);
   frame.limit = PyLong_AsLongLong(args[2]);
+  const long long phase = PyLong_AsLongLong(args[3]);
   const long long random = PyLong_AsLongLong(args[5]);
   if (PyErr_Occurred()) return nullptr;
-  frame.keep = PyObject_IsTrue(args[3]) == 1;
+  if (phase < 0 || phase > static_cast<long long>(attnstash::FramePhase::outside_checkpoint) || random < 0 ||
+      random > static_cast<long long>(attnstash::frames::RandomCheck::check)) {
+    PyErr_Format(PyExc_ValueError, "attnstash: _C.frame_open: phase %lld or random check %lld is not one of "
+                 "attnstash.ops.FramePhase's or RandomCheck's values", phase, random);
+    return nullptr;
+  }
   frame.collect = PyObject_IsTrue(args[4]) == 1;
   frame.random = static_cast<attnstash::frames::RandomCheck>(random);
-  if (frame.random == attnstash::frames::RandomCheck::note || frame.random == attnstash::frames::RandomCheck::refuse) {
-    if (!THPVariable_Check(args[6])) {
-      PyErr_SetString(PyExc_TypeError, "attnstash: _C.frame_open: a note or refuse check needs the layer input");
-      return nullptr;
-    }
-    frame.random_start = attnstash::frames::generator_state(THPVariable_Unpack(args[6]).device());
-  }
-  attnstash::frames::open(std::move(frame));
-  Py_RETURN_NONE;
+  at::Tensor random_input;
+  if (THPVariable_Check(args[6])) random_input = THPVariable_Unpack(args[6]);
+  return PyBool_FromLong(
+      attnstash::frames::open(std::move(frame), static_cast<attnstash::FramePhase>(phase), random_input));
   END_HANDLE_TH_ERRORS
 }
 
-// frame_close() -> (calls, ids or None, noted, failure): `ids` the records its calls kept (a frame
-// opened with `collect`), `failure` None or (frames::Failure value, message, dropout_p).
-static PyObject* frame_close(PyObject*, PyObject*) {
+// frame_close(interrupted) -> (calls, ids or None, noted, failure): `interrupted`: the forward
+// raised (what the frame owns is released); `ids` the records its calls kept (a frame opened with
+// `collect`), `failure` None or (frames::Failure value, message, dropout_p).
+static PyObject* frame_close(PyObject*, PyObject* interrupted) {
   HANDLE_TH_ERRORS
-  attnstash::frames::Frame frame = attnstash::frames::close();
+  attnstash::frames::Frame frame = attnstash::frames::close(PyObject_IsTrue(interrupted) == 1);
   PyObject* ids = Py_None;
   Py_INCREF(ids);
   if (frame.collect) {
@@ -193,10 +196,11 @@ static PyMethodDef attnstash_methods[] = {
     {"new_token", new_token, METH_NOARGS,
      "attnstash::_new_token(): the op's kernel called directly, or its binding where a mode would see the call."},
     {"frame_open", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_open)), METH_FASTCALL,
-     "Open a frame on this thread (torch_ops/frames.h): (anchor, slot_base, limit, keep, collect, random, "
-     "random_input)."},
-    {"frame_close", frame_close, METH_NOARGS,
-     "Close this thread's innermost frame: (calls, ids or None, noted, failure or None)."},
+     "Open a frame on this thread (torch_ops/frames.h): (anchor, slot_base, limit, phase, collect, random, "
+     "random_input) -> whether it keeps."},
+    {"frame_close", frame_close, METH_O,
+     "Close this thread's innermost frame (interrupted: its forward raised): (calls, ids or None, noted, failure "
+     "or None)."},
     {"frame_depth", frame_depth, METH_NOARGS, "How many frames are open on this thread."},
     {"_set_compiled_attention", set_compiled_attention, METH_O,
      "Hand the frames the installer's hook for compiled frames (torch_ops/frames.h, CompiledAttention)."},

@@ -81,18 +81,17 @@ def stash_of(layer):
 
 class Frame:
     """One forward of a stashed layer on this thread: a first forward (which may keep) or a
-    recompute (which replays); its attention calls reach the ops through the native frame
-    run_in_frame opens for it (torch_ops/frames.h). `limit`: the calls a recompute may make (its
-    first forward's, where known). `random`: what the native frame checks of the random state
-    (random_state.first_check, recompute_check), from `random_input`'s device. `anchor`: what the
-    ops anchor on: the token where one is held (open_frame's `token`, Run.token), else the layer
-    input; with a token the frame is `owned`: the token releases what is kept under it as it is
-    freed (ops.new_token). Else a reentrant first forward is `listed`: the records it keeps are
-    released if it is interrupted. `kept`: the ids of the records its calls kept, where it is
-    listed or has a `mover`; `moved`: offload.py's, for those records, moved after it. Built by
-    open_frame alone."""
-    __slots__ = ("stash", "anchor", "owned", "keep", "first", "reentrant", "calls", "limit", "random", "random_input",
-                 "listed", "kept", "mover", "moved")
+    recompute (which replays), by its `phase` (ops.frame_phase); its attention calls reach the ops
+    through the native frame run_in_frame opens for it (torch_ops/frames.h), which says whether
+    they do (`keep`) and releases what an interrupted reentrant first forward kept. `limit`: the
+    calls a recompute may make (its first forward's, where known). `random`: what the native
+    frame checks of the random state (random_state.first_check, recompute_check), from
+    `random_input`'s device. `anchor`: what the ops anchor on: the token where one is held
+    (open_frame's `token`, Run.token), else the layer input. `kept`: the ids of the records its
+    calls kept, where it has a `mover`; `moved`: offload.py's, for those records, moved after it.
+    Built by open_frame alone."""
+    __slots__ = ("stash", "anchor", "phase", "keep", "first", "calls", "limit", "random", "random_input", "kept",
+                 "mover", "moved")
 
 
 _new_frame = object.__new__
@@ -104,17 +103,16 @@ RECOMPUTE, RECOMPUTE_WITHOUT_GRAD, REENTRANT_FIRST, REENTRANT_FIRST_HOOKED, NON_
 
 def open_frame(stash, anchor, phase, limit=None, preserves=None, token=None):
     """The frame of one forward of a stashed layer, by the phase it starts in (`phase`:
-    ops.frame_phase's). `limit`: for a recompute, how many attention calls its first forward
-    made; `preserves`: whether its checkpoint restores the random state for the recompute
-    (preserves_rng). None: cannot be seen. `token`: what the ops anchor on in place of the layer
-    input `anchor`, where a Run holds one (Run.token). With a token, `anchor` is read only by a
-    first forward whose `preserves` is not True (the random state's device) or whose layer has
-    its own offload (offload.mover_for), and may be None otherwise (Run.__call__ reads it only
-    then)."""
+    ops.frame_phase's; run_in_frame's native frame decides by it whether its calls keep, and owns
+    what an interrupted reentrant first forward kept). `limit`: for a recompute, how many
+    attention calls its first forward made; `preserves`: whether its checkpoint restores the
+    random state for the recompute (preserves_rng). None: cannot be seen. `token`: what the ops
+    anchor on in place of the layer input `anchor`, where a Run holds one (Run.token). With a
+    token, `anchor` is read only by a first forward whose `preserves` is not True (the random
+    state's device) or whose layer has its own offload (offload.mover_for), and may be None
+    otherwise (Run.__call__ reads it only then)."""
     if phase <= RECOMPUTE_WITHOUT_GRAD:  # a recompute: it makes the calls its first forward made
-        keep = phase == RECOMPUTE and limit != 0
-        first, reentrant, mover = False, False, None
-        random = random_state.recompute_check(stash) if keep else ops.RandomCheck.none
+        first, mover, random = False, None, random_state.recompute_check(stash)
     else:
         if phase == OUTSIDE_CHECKPOINT:
             raise CheckpointingError(
@@ -122,8 +120,6 @@ def open_frame(stash, anchor, phase, limit=None, preserves=None, token=None):
                 "checkpoint (grad mode on, outside backward, no checkpoint's saved-tensor hooks), so there is no "
                 "recompute to save and the stash could only cost memory. Checkpoint this layer (reentrant or not), "
                 "or do not stash it.")
-        keep = phase != UNREACHABLE
-        reentrant = phase != NON_REENTRANT_FIRST
         if phase == REENTRANT_FIRST_HOOKED and token is None and anchor.requires_grad:
             raise CheckpointingError(
                 f"attnstash: {stash.name} runs a reentrant checkpoint under saved-tensor hooks (offloaded "
@@ -132,17 +128,14 @@ def open_frame(stash, anchor, phase, limit=None, preserves=None, token=None):
                 "copy of it, and with no node before the checkpoint nothing can tie the recompute to its first "
                 "forward for as long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), "
                 "use non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
-        first = True
-        random = random_state.first_check(preserves) if keep else ops.RandomCheck.none
-        mover = offload.mover_for(stash, anchor, not reentrant) if keep and token is not None and \
-            (phase != REENTRANT_FIRST or stash.install.offload is not None) else None
+        first, random = True, random_state.first_check(preserves)
+        mover = offload.mover_for(stash, anchor, phase == NON_REENTRANT_FIRST) if token is not None and \
+            phase != UNREACHABLE and (phase != REENTRANT_FIRST or stash.install.offload is not None) else None
     frame = _new_frame(Frame)  # (no __init__: a Python call less per forward)
-    frame.stash, frame.keep, frame.first, frame.reentrant, frame.calls, frame.limit = \
-        stash, keep, first, reentrant, 0, limit
+    frame.stash, frame.phase, frame.first, frame.calls, frame.limit = stash, phase, first, 0, limit
     frame.random, frame.random_input = random, anchor
-    frame.anchor, frame.owned = (anchor, False) if token is None else (token, True)
-    frame.listed = reentrant and token is None  # a reentrant first forward's, on its input
-    frame.kept, frame.mover, frame.moved = None, mover, None
+    frame.anchor = anchor if token is None else token
+    frame.keep, frame.kept, frame.mover, frame.moved = False, None, mover, None
     return frame
 
 
@@ -152,28 +145,24 @@ def run_in_frame(frame, fn, args, kwargs):
     frames = state.thread.frames
     frames.append(frame)
     try:
-        ops.frame_open(frame.anchor, frame.stash.slot_base, -1 if frame.limit is None else frame.limit, frame.keep,
-                       frame.listed or frame.mover is not None, frame.random, frame.random_input)
+        frame.keep = ops.frame_open(frame.anchor, frame.stash.slot_base, -1 if frame.limit is None else frame.limit,
+                                    frame.phase, frame.mover is not None, frame.random, frame.random_input)
     except BaseException:
         frames.remove(frame)
         raise
     try:
         out = fn(*args, **kwargs)
     except BaseException as error:
-        frame.calls, frame.kept, noted, failure = ops.frame_close()
+        # (an interrupted forward, an error or Ctrl-C: the native frame releases what it owns)
+        frame.calls, frame.kept, noted, failure = ops.frame_close(True)
         if noted:
             frame.stash.rng_noted = True
-        if frame.first:  # an interrupted forward (an error, Ctrl-C) keeps nothing
-            if frame.listed:
-                release(frame.kept)
-            elif frame.owned and frame.reentrant:  # under a token that may outlive it
-                release(ops.record_id(frame.anchor, frame.stash.slot_base + k) for k in range(frame.calls))
         if failure is not None:
             raise frame_error(frame, *failure, error) from (error if failure[0] == ops.Failure.op else None)
         raise
     finally:
         frames.remove(frame)
-    frame.calls, frame.kept, noted, _ = ops.frame_close()
+    frame.calls, frame.kept, noted, _ = ops.frame_close(False)
     if noted:
         frame.stash.rng_noted = True
     if frame.first and frame.keep:  # a first forward that keeps must have called attention
@@ -198,15 +187,6 @@ def frame_error(frame, why, message, dropout_p, error):
             f"({frame.limit} times): the recompute does not repeat the first forward, so the kept outputs cannot "
             "stand in for its attention. Do not stash this layer.")
     return random_state.refusal(name)
-
-
-def release(records):
-    for record in records:
-        try:
-            if record:
-                ops.release(record)
-        except Exception:  # interpreter shutdown: nothing left to release into
-            pass
 
 
 # ---- how a stashed layer's forwards get their frames ---------------------------------------------

@@ -178,6 +178,66 @@ TEST_F(Frames, AFrameIsItsThreadsAlone) {
 
 }  // namespace
 
+// A frame opened by its forward's phase keeps, and owns what it keeps, as frames.h says; closed
+// as interrupted, it releases what it owns, on a token (by slot) and on a layer input (by id),
+// and only that: a record an earlier forward shares stays held for it.
+TEST_F(Frames, AFrameOpenedByItsPhaseKeepsAndOwnsWhatFramesHSays) {
+  using attnstash::FramePhase;
+  struct Case {
+    FramePhase phase;
+    int64_t limit;
+    bool keep, owns;
+  };
+  for (const Case& c : {Case{FramePhase::recompute, -1, true, false}, Case{FramePhase::recompute, 0, false, false},
+                        Case{FramePhase::recompute_without_grad, -1, false, false},
+                        Case{FramePhase::reentrant_first, -1, true, true},
+                        Case{FramePhase::reentrant_first_hooked, -1, true, true},
+                        Case{FramePhase::non_reentrant_first, -1, true, false},
+                        Case{FramePhase::unreachable, -1, false, false},
+                        Case{FramePhase::outside_checkpoint, -1, false, false}}) {
+    Frame frame;
+    frame.anchor = anchor;
+    frame.limit = c.limit;
+    frame.random = RandomCheck::note;  // (dropped where the frame keeps nothing)
+    EXPECT_EQ(attnstash::frames::open(frame, c.phase, anchor), c.keep) << static_cast<int>(c.phase);
+    Frame closed = attnstash::frames::close();
+    EXPECT_EQ(closed.keep, c.keep);
+    EXPECT_EQ(closed.owns, c.owns) << static_cast<int>(c.phase);
+    EXPECT_EQ(closed.random, c.keep ? RandomCheck::note : RandomCheck::none);
+  }
+}
+
+TEST_F(Frames, AnInterruptedReentrantFirstForwardReleasesWhatItKeptAndNothingElse) {
+  at::NoGradGuard no_grad;
+  at::Tensor token = attnstash::records::new_token();
+  for (const at::Tensor* on : {&token, &anchor}) {
+    Frame frame;
+    frame.anchor = *on;
+    frame.slot_base = 1 << 16;
+    attnstash::frames::open(frame, attnstash::FramePhase::reentrant_first, at::Tensor());
+    Sdpa(q);
+    Sdpa(q * 2);
+    EXPECT_EQ(Stat("records"), 2);
+    EXPECT_EQ(attnstash::frames::close(/*interrupted=*/true).kept, 2);
+    EXPECT_EQ(Stat("records"), 0);
+  }
+  // An earlier forward on the same input, closed normally, shares its record with a later one
+  // that repeats it: the later one, interrupted, releases its own share only.
+  Frame frame;
+  frame.anchor = anchor;
+  frame.slot_base = 1 << 16;
+  attnstash::frames::open(frame, attnstash::FramePhase::reentrant_first, at::Tensor());
+  at::Tensor kept = Sdpa(q);
+  attnstash::frames::close();
+  attnstash::frames::open(frame, attnstash::FramePhase::reentrant_first, at::Tensor());
+  Sdpa(q);
+  attnstash::frames::close(/*interrupted=*/true);
+  EXPECT_EQ(Stat("records"), 1);
+  at::AutoGradMode grad(true);
+  EXPECT_TRUE(at::equal(Replay(q, anchor, 1 << 16), kept));
+  EXPECT_EQ(Stat("records"), 0);
+}
+
 namespace {
 
 // The phase a stashed forward starts in (keep_replay.h, FramePhase), where C++ alone can set

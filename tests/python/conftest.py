@@ -10,7 +10,7 @@ def stash_is_empty_after_each_test():
     yield
     depth = ops.frame_depth()
     for _ in range(depth):
-        ops.frame_close()
+        ops.frame_close(False)
     if depth:
         pytest.fail(f"the test left {depth} frame(s) open on its thread")
     from attnstash.install import compiled

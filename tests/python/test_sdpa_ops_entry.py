@@ -60,7 +60,8 @@ class Noted(TorchFunctionMode):
 
 
 def open_frame(anchor, base=0, limit=-1, keep=True):
-    ops.frame_open(anchor, base, limit, keep, True, ops.RandomCheck.none, None)
+    phase = ops.FramePhase.reentrant_first if keep else ops.FramePhase.unreachable
+    assert ops.frame_open(anchor, base, limit, phase, True, ops.RandomCheck.none, None) is keep
 
 
 def test_the_token_entry_is_the_c_function_that_falls_back_to_the_binding():
@@ -136,7 +137,7 @@ def test_inside_a_frame_f_sdpa_is_the_op_kept_and_replayed_bitwise(mask, scale, 
     open_frame(anchor, base=7)
     with torch.no_grad():  # a reentrant checkpoint's first forward: kept
         first = attend()
-    calls, kept, noted, failure = ops.frame_close()
+    calls, kept, noted, failure = ops.frame_close(False)
     assert (calls, noted, failure) == (1, False, None) and kept == [ops.record_id(anchor, 7)] and kept[0]
     assert torch.equal(first, want)
     for t in (q, k, v):
@@ -147,7 +148,7 @@ def test_inside_a_frame_f_sdpa_is_the_op_kept_and_replayed_bitwise(mask, scale, 
         try:
             return attend()
         finally:
-            assert ops.frame_close()[0] == 1
+            assert ops.frame_close(False)[0] == 1
     again = in_a_recompute(recompute)
     assert torch.equal(again, want) and "ReentrantReplayFunction" in again.grad_fn.name()
     assert ops.record_id(anchor, 7) == 0  # taken
@@ -170,7 +171,7 @@ def test_every_name_of_attention_reaches_the_frame_and_none_outside_it():
         open_frame(anchor)
         for call in names:
             call()
-        calls, kept, _, failure = ops.frame_close()
+        calls, kept, _, failure = ops.frame_close(False)
     assert calls == len(names) and len(kept) == len(names) and failure is None
     assert attnstash.stash_stats()["keeps"] == keeps + len(names)
     ops.stash_clear()
@@ -184,11 +185,11 @@ def test_a_frame_that_does_not_keep_and_modes_inside_a_frame():
     with torch.no_grad():
         open_frame(anchor, keep=False)
         F.scaled_dot_product_attention(q, k, v)
-        assert ops.frame_close()[0] == 0 and attnstash.stash_stats()["records"] == 0
+        assert ops.frame_close(False)[0] == 0 and attnstash.stash_stats()["records"] == 0
         open_frame(anchor)
         with Noted() as mode:
             F.scaled_dot_product_attention(q, k, v)
-        assert ops.frame_close()[0] == 1
+        assert ops.frame_close(False)[0] == 1
     assert torch._C._nn.scaled_dot_product_attention in mode.seen
     assert ops.record_id(anchor, 0) != 0
     ops.stash_clear()
@@ -200,7 +201,7 @@ def test_a_call_the_op_refuses_raises_its_error_and_the_frame_says_why():
     open_frame(anchor)
     with torch.no_grad():
         F.scaled_dot_product_attention(q, k, v)
-    ops.frame_close()
+    ops.frame_close(False)
     for t in (q, k, v):
         t.requires_grad_(True)
 
@@ -208,13 +209,13 @@ def test_a_call_the_op_refuses_raises_its_error_and_the_frame_says_why():
         open_frame(anchor, limit=1)
         with pytest.raises(RuntimeError) as raised:
             F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return raised.value, ops.frame_close()
+        return raised.value, ops.frame_close(False)
     error, (calls, _, _, failure) = in_a_recompute(recompute)
     assert calls == 1 and failure[0] == ops.Failure.op and failure[1] == str(error)
     assert str(error).startswith("attnstash") and "is_causal" in str(error)
     ops.stash_clear()
     with pytest.raises(RuntimeError, match="a frame was closed on a thread that has none open"):
-        ops.frame_close()
+        ops.frame_close(False)
 
 
 def test_a_frame_routes_only_the_calls_of_its_own_thread():
@@ -231,7 +232,7 @@ def test_a_frame_routes_only_the_calls_of_its_own_thread():
         thread = threading.Thread(target=other)
         thread.start()
         thread.join()
-        assert ops.frame_close()[0] == 0
+        assert ops.frame_close(False)[0] == 0
     assert seen == [0] and attnstash.stash_stats()["records"] == 0
 
 
@@ -251,7 +252,7 @@ def test_other_threads_run_python_while_a_frame_s_op_runs():
             with torch.no_grad():
                 F.scaled_dot_product_attention(q, k, v)
         finally:
-            assert ops.frame_close()[0] == 1
+            assert ops.frame_close(False)[0] == 1
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     start = time.perf_counter()

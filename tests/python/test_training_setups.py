@@ -257,6 +257,36 @@ def test_a_keyboard_interrupt_in_a_layer_releases_its_kept_output_at_once(instal
     assert_nothing_held()
 
 
+@pytest.mark.parametrize("kind", ["transformers", "plain PyTorch"])
+def test_an_interrupted_reentrant_forward_releases_its_kept_output_while_its_traceback_lives(kind, installed):
+    # The frame owns what a reentrant first forward keeps until it closes (torch_ops/frames.h):
+    # interrupted after its attention, the forward's records go as the error leaves it, while the
+    # traceback still holds the layer input and (transformers) the token it was kept under.
+    import offload_cases
+    case = offload_cases.build(kind, "reentrant")
+    installed(case.model, **case.install)
+    layer = case.layers[1]
+    mlp = layer.mlp
+
+    def interrupt(module, args):
+        if torch._C._current_graph_task_id() == -1:
+            raise KeyboardInterrupt
+
+    handle = mlp.register_forward_pre_hook(interrupt)
+    try:
+        case.forward(case.model)
+    except KeyboardInterrupt as error:
+        held = attnstash.stash_stats()["records"]
+        traceback = error.__traceback__
+    finally:
+        handle.remove()
+    assert traceback is not None and held == 1  # layer 0's, which the interrupted layer 1's graph holds
+    del traceback
+    gc.collect()
+    assert attnstash.stash_stats()["records"] == 0
+    assert_nothing_held()
+
+
 # ---- several threads, one model ---------------------------------------------------------------
 
 @pytest.mark.parametrize("mode", MODES)
