@@ -7,7 +7,7 @@
     --mode seq-sweep  layer mode at each length of --seqs, the micro-batch fixed: decoder.py
     --mode soak       irregular steps under both checkpointing modes, the stash empty after each: soak.py
     --mode dit        a diffusers Flux transformer at --tokens image tokens: dit.py
-    --mode host       the host cost of the routing at tiny shapes, one thread: dit.py
+    --mode host       the stash's host cost at tiny shapes, one thread: dit.py
     --mode compile    the decoder under torch.compile, with and without the stash, SAC: compiled.py
     --mode instructions  the host work per stashed layer, attnstash's and the seed's design's,
                       in instructions (callgrind) and time: instructions.py

@@ -92,7 +92,7 @@ def model_mode(shape, args, out):
     table = point["configs"]
     result = {"mode": "model", "preset": args.preset, "shape": dataclasses.asdict(shape), "pad": args.pad,
               "environment": environment(shape.device), **point,
-              "routing_overhead": next(r["vs_reference"] for r in table if r["stash_layers"] == 0),
+              "installed_overhead": next(r["vs_reference"] for r in table if r["stash_layers"] == 0),
               "efficiency": {str(r["stash_layers"]): r["efficiency"] for r in table
                              if r["checkpointing"] == "reentrant" and r["stash_layers"] and not r["budget"]}}
     report.print_measurements(times)

@@ -307,12 +307,12 @@ def host_mode(shape, args, out):
     sdpa = sdpa_call_cost(plan(decoder, shape).layers[0].calls[0])
     alone, loaded = sdpa["without_attnstash_us"], sdpa["with_attnstash_us"]
     mode_cost = function_mode_cost(decoder, shape)
-    med, routing, per_layer = {k: median_ms(m) for k, m in times.items()}, {}, {}
+    med, installed, per_layer = {k: median_ms(m) for k, m in times.items()}, {}, {}
     for mode in modes:
         for tag, calls in ((tags[0], 2 * n), (tags[1], 2 * (flux.layers + flux.single_layers))):
             plain, zero = tag + Config(mode).name, tag + Config(mode, 0).name
             diff, iqr = paired(times, plain, zero)
-            routing[f"{tag[:-2]}, {mode}"] = {
+            installed[f"{tag[:-2]}, {mode}"] = {
                 "plain_ms": med[plain], "paired_diff_ms": diff, "paired_diff_iqr_ms": iqr,
                 "relative": diff / med[plain],
                 "within_0.5%": abs(diff) <= 0.005 * med[plain],
@@ -323,12 +323,12 @@ def host_mode(shape, args, out):
     result = {"mode": "host", "shape": dataclasses.asdict(shape), "dit_shape": dataclasses.asdict(flux),
               "environment": environment("cpu"), "rounds": {"warmup": args.warmup, "repeats": args.repeats},
               "medians_ms": med, "times_ms": {k: [t * 1e3 for t in m.times] for k, m in times.items()},
-              "sdpa_call": sdpa, "routing_overhead": routing,
+              "sdpa_call": sdpa, "installed_overhead": installed,
               "function_mode_per_layer_forward": mode_cost,
               "per_stashed_layer": per_layer, "checks": checks,
               "losses_equal": {tag[:-2]: losses_equal([r for r in runs if r.tag == tag]) for tag in tags}}
     report.print_measurements(times)
-    print(report.table(routing.items(), [
+    print(report.table(installed.items(), [
         ("stash on 0 layers", lambda kv: kv[0]), ("plain ms", lambda kv: f"{kv[1]['plain_ms']:.3f}"),
         ("0 layers - plain, ms (IQR)",
          lambda kv: f"{kv[1]['paired_diff_ms']:+.3f} ({kv[1]['paired_diff_iqr_ms']:.3f})"),

@@ -212,9 +212,9 @@ def count(config, kind, warmup, steps):
 
 def timed(mode, rounds):
     """Host time per step (time.thread_time, us) of each configuration, interleaved, medians. In
-    one process, so F.sdpa is attnstash's router in every configuration (+0.6 us a call outside
-    stashed layers: it slows seed-0's calls, none of seed-all's), and seed-0's attention passes
-    seed-all's wrapper too: both in the seed's favour."""
+    one process, so F.sdpa reaches attnstash's kernel on the op in every configuration (outside
+    stashed layers it passes the call to torch's own, at a cost below what host mode resolves),
+    and seed-0's attention passes seed-all's wrapper too: in the seed's favour."""
     torch.set_num_threads(1)
     built = {c: build(c, mode) for c in configs(mode)}
     steps = {c: step for c, (_, step, _) in built.items()}

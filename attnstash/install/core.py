@@ -25,11 +25,11 @@ saved-tensor hooks, which may hand it a copy, a token module_call.py keeps for t
 
 Phase, frame and slots. Each forward of a stashed layer runs in a frame on its thread's
 stack, opened by the phase the forward starts in (ops.frame_phase: the rule and its cases are
-torch_ops/keep_replay.h's FramePhase; open_frame says what each keeps, checks and refuses; the
-ops decide each call's phase again from what they see). run_in_frame opens a native frame around the forward, inside which
-its attention calls, by whatever name, go to the ops at the layer's slots, as
-torch_ops/frames.h states; random_state.py says what the frame checks of the random state
-before each call.
+torch_ops/keep_replay.h's FramePhase). The native frame decides by it whether the forward's calls
+keep and what it owns (torch_ops/frames.h); open_frame, what it checks and refuses; the ops
+decide each call's phase again from what they see. Inside the native frame, which run_in_frame
+opens around the forward, its attention calls, by whatever name, go to the ops at the layer's
+slots; random_state.py says what the frame checks of the random state before each call.
 """
 import functools
 import sys
@@ -301,7 +301,7 @@ class CheckpointCall:
             return compiled.checkpoint_call(self.checkpoint, fn, args, kwargs)
         run = _new_run(Run, fn)  # (Run has no __new__ or __init__ of its own: a Python call less per checkpoint call)
         run.stash, run.fn, run.outer_grad, run.preserves = self.stash, fn, torch.is_grad_enabled(), self.preserves
-        run.routed, run.token, run.moved = None, ops.NEW_TOKEN(), None
+        run.kept_calls, run.token, run.moved = None, ops.NEW_TOKEN(), None
         return self.checkpoint(run, *args, **kwargs)
 
 
@@ -310,18 +310,18 @@ _new_run = functools.partial.__new__
 
 class Run(functools.partial):
     """A stashed layer's forward as its checkpoint runs it: once in the forward, once in the
-    recompute; both in a frame, and the recompute routes exactly the calls its first forward
-    routed. A functools.partial of that forward (the same func, args and keywords), so that a
+    recompute; both in a frame, and the recompute replays exactly the calls its first forward
+    kept. A functools.partial of that forward (the same func, args and keywords), so that a
     checkpoint function that looks into what it is given finds the layer as it would without
     the stash (LLaMA-Factory's: `func.func.__self__` when `isinstance(func, partial)`). Whatever
     holds it for the recompute (the checkpoint's graph) holds its token, and so what its first
     forward kept: a graph dropped without a backward releases it."""
     # Made by CheckpointCall alone: `fn`, the forward; `outer_grad`, the grad mode of the call
-    # outside the checkpoint; `preserves`, preserves_rng of the checkpoint function; `routed`,
-    # the attention calls the first forward routed (None before it, 0: it kept nothing); `token`,
+    # outside the checkpoint; `preserves`, preserves_rng of the checkpoint function; `kept_calls`,
+    # the attention calls the first forward kept (None before it, 0: it kept nothing); `token`,
     # what the ops anchor on (Anchor, above: ops.new_token); `moved`, what offload.py moved off
     # the device after the first forward.
-    __slots__ = ("stash", "fn", "outer_grad", "preserves", "routed", "token", "moved")
+    __slots__ = ("stash", "fn", "outer_grad", "preserves", "kept_calls", "token", "moved")
 
     def __getattr__(self, name):
         return getattr(self.fn, name)
@@ -332,8 +332,8 @@ class Run(functools.partial):
         if phase <= RECOMPUTE_WITHOUT_GRAD:
             if self.moved is not None:
                 self.moved.fetch()
-            return run_in_frame(open_frame(stash, None, phase, limit=self.routed if self.routed is not None else 0,
-                                           token=self.token), self.fn, args, kwargs)
+            limit = self.kept_calls if self.kept_calls is not None else 0
+            return run_in_frame(open_frame(stash, None, phase, limit=limit, token=self.token), self.fn, args, kwargs)
         reached = state.thread.reached
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
         # The layer input, only where the first forward reads it (open_frame says when); the ops anchor on the token.
@@ -341,15 +341,14 @@ class Run(functools.partial):
             if self.preserves is not True or stash.install.offload is not None else None
         frame = open_frame(stash, anchor, phase, preserves=self.preserves, token=self.token)
         out = run_in_frame(frame, self.fn, args, kwargs)
-        self.routed, self.moved = (frame.calls if frame.keep else 0), frame.moved
+        self.kept_calls, self.moved = (frame.calls if frame.keep else 0), frame.moved
         return out
 
 
 # ---- install and uninstall -------------------------------------------------------------------------
 
 def attach(layer, index, name, reach, install):
-    """Stash one layer of `install` (a state.Install; the caller holds state.lock and has patched
-    the router)."""
+    """Stash one layer of `install` (a state.Install; the caller holds state.lock)."""
     stash = LayerStash(index, name, reach, install, type(layer).forward, type(layer).__name__)
     previous = layer.__dict__.get("forward")
     if previous is not None:

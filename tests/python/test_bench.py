@@ -73,7 +73,7 @@ def test_model_mode_writes_its_files(model_run):
         "non-reentrant", "non-reentrant + stash 2"]
     for r in written["configs"]:
         assert len(r["times_ms"]) == 1 and r["median_ms"] == r["times_ms"][0] and r["peak_bytes"] > 0
-    assert set(written["efficiency"]) == {"1", "2"} and isinstance(written["routing_overhead"], float)
+    assert set(written["efficiency"]) == {"1", "2"} and isinstance(written["installed_overhead"], float)
     assert written["sdpa_backend"] == "FLASH_ATTENTION" and written["kept_bytes_per_layer"] == PER_LAYER
     assert nothing_installed()
 
@@ -311,7 +311,7 @@ def test_dit_mode(tmp_path):
 
 def test_host_mode_measures_each_path(tmp_path):
     report = bench_main(["--mode", "host", "--layers", "2", "--seq", "16", *ONCE, "--out", str(tmp_path)])
-    assert set(report["routing_overhead"]) == {"transformers, reentrant", "diffusers, reentrant",
+    assert set(report["installed_overhead"]) == {"transformers, reentrant", "diffusers, reentrant",
                                                "transformers, non-reentrant", "diffusers, non-reentrant"}
     assert set(report["per_stashed_layer"]) == {"reentrant", "non-reentrant"}
     assert all(report["losses_equal"].values())
