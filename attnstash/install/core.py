@@ -129,8 +129,8 @@ def open_frame(stash, anchor, phase, limit=None, preserves=None, token=None):
                 "forward for as long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), "
                 "use non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
         first, random = True, random_state.first_check(preserves)
-        mover = offload.mover_for(stash, anchor, phase == NON_REENTRANT_FIRST) if token is not None and \
-            phase != UNREACHABLE and (phase != REENTRANT_FIRST or stash.install.offload is not None) else None
+        mover = offload.mover_for(stash, anchor, phase == NON_REENTRANT_FIRST) \
+            if token is not None and offload.may_move(stash, phase) else None
     frame = _new_frame(Frame)  # (no __init__: a Python call less per forward)
     frame.stash, frame.phase, frame.first, frame.calls, frame.limit = stash, phase, first, 0, limit
     frame.random, frame.random_input = random, anchor

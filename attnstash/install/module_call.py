@@ -17,6 +17,7 @@ import weakref
 
 from .. import ops
 from ..errors import ReplayError
+from . import offload
 
 _HELD = "attnstash_tokens"  # the key of the tokens a grad_fn holds, in its metadata
 
@@ -65,8 +66,7 @@ def pending_for(stash, layer_input, phase):
     input, or None (the input). `phase`: the forward's (ops.frame_phase)."""
     if phase == ops.FramePhase.recompute:
         return _for_recompute(stash, layer_input)
-    if phase == ops.FramePhase.non_reentrant_first or phase == ops.FramePhase.reentrant_first_hooked or \
-            (phase == ops.FramePhase.reentrant_first and stash.install.offload is not None):
+    if offload.may_move(stash, phase):
         return _for_first_forward(stash, layer_input, phase == ops.FramePhase.non_reentrant_first)
     return None
 

@@ -24,6 +24,15 @@ from ..errors import ReplayError
 _lock = threading.Lock()
 
 
+def may_move(stash, phase):
+    """Whether what a first forward starting in `phase` (ops.frame_phase) keeps may be moved off
+    the device after it: under saved-tensor hooks (the user's offloading around a reentrant
+    checkpoint, a non-reentrant checkpoint's own over any of the user's), or, a reentrant one, with
+    the layer's own offload. (mover_for says by what.)"""
+    return phase == ops.FramePhase.non_reentrant_first or phase == ops.FramePhase.reentrant_first_hooked or \
+        (phase == ops.FramePhase.reentrant_first and stash.install.offload is not None)
+
+
 def mover_for(stash, layer_input, grad):
     """The mover of a first forward that keeps: the layer's own offload where installed (None
     where it takes nothing: a layer input in host memory), else the user's saved-tensor hooks
