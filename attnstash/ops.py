@@ -114,6 +114,12 @@ frame_close = NATIVE.frame_close
 frame; `interrupted`: its forward raised, and what the frame owns is released. `ids`: the records
 its calls kept (opened with `collect`); `noted`: a call noted a random state on its record;
 `failure`: (Failure, message, dropout_p) of the call it refused."""
+new_slot_base = NATIVE.new_slot_base
+"""() -> int: the first slot of a range of SLOTS_PER_RANGE no one else has (a stashed layer's, or
+a compiled layer class's): its k-th attention call is slot base + k (csrc/stash_registry.h,
+stash_new_slot_range)."""
+SLOTS_PER_RANGE = NATIVE.slots_per_range
+"""How many slots a range holds: the most attention calls one forward of a layer may make."""
 frame_depth = NATIVE.frame_depth
 """How many frames are open on this thread."""
 set_compiled_attention = NATIVE._set_compiled_attention

@@ -22,6 +22,7 @@ struct stash_registry {
   stash_node **buckets;
   size_t bucket_count; /* always a power of two */
   uint64_t next_id;
+  int64_t next_slot_range; /* the next range stash_new_slot_range hands out, counted from 1 */
   stash_stats stats;   /* records doubles as the table's size */
 };
 

@@ -233,6 +233,7 @@ stash_status stash_registry_create(stash_registry **out) {
   if (r == NULL) return STASH_ERR_NOMEM;
   r->bucket_count = INITIAL_BUCKETS;
   r->next_id = 1;
+  r->next_slot_range = 1;
   r->stats.max_bytes = UINT64_MAX;
   r->buckets = calloc(r->bucket_count, sizeof(stash_node *));
   /* pthread_mutex_init fails only for lack of resources: report it as NOMEM. */
@@ -404,6 +405,19 @@ stash_status stash_reset_peak(stash_registry *registry) {
   registry->stats.peak_bytes = registry->stats.bytes;
   pthread_mutex_unlock(&registry->mutex);
   return STASH_OK;
+}
+
+stash_status stash_new_slot_range(stash_registry *registry, int64_t *first) {
+  if (registry == NULL || first == NULL) return STASH_ERR_ARGUMENT;
+  stash_status status = STASH_OK;
+  pthread_mutex_lock(&registry->mutex);
+  if (registry->next_slot_range > INT64_MAX / STASH_SLOTS_PER_RANGE - 1) {
+    status = STASH_ERR_NOMEM;
+  } else {
+    *first = registry->next_slot_range++ * STASH_SLOTS_PER_RANGE;
+  }
+  pthread_mutex_unlock(&registry->mutex);
+  return status;
 }
 
 stash_status stash_set_max_bytes(stash_registry *registry, uint64_t max_bytes) {

@@ -6,7 +6,9 @@
  * Words, used in one sense each across C, C++ and Python:
  *   anchor    the tensor that ties a recompute to its first forward (the checkpointed layer's
  *             input); its data pointer, version and shape are part of the key.
- *   slot      which attention call of one anchor (a layer's k-th call).
+ *   slot      which attention call of one anchor: a layer's k-th call is slot base + k, its
+ *             base the first slot of a range of STASH_SLOTS_PER_RANGE the registry handed out
+ *             (stash_new_slot_range), so that no two layers share a slot.
  *   key       (anchor, version, shape, slot).
  *   entry     what the caller hands the registry to hold: a payload pointer, its size in
  *             bytes and its callbacks (retain, release, demote).
@@ -73,6 +75,10 @@ extern "C" {
 #endif
 
 #define STASH_MAX_RANK 8
+
+/* How many slots a range holds: the most attention calls one forward of a layer may make. */
+#define STASH_SLOT_BITS 16
+#define STASH_SLOTS_PER_RANGE ((int64_t)1 << STASH_SLOT_BITS)
 
 typedef struct stash_key {
   uintptr_t anchor;               /* the anchor's data pointer */
@@ -207,6 +213,15 @@ stash_status stash_get_stats(stash_registry *registry, stash_stats *out);
 
 /* Set peak_bytes to the bytes held now (to measure one phase of a run). */
 stash_status stash_reset_peak(stash_registry *registry);
+
+/* A range of slots no other caller of this registry has had or will have: *first receives its
+ * first slot (a positive multiple of STASH_SLOTS_PER_RANGE), the range being [*first, *first +
+ * STASH_SLOTS_PER_RANGE). One per stashed layer (and per compiled layer class): records of
+ * different layers never share a key, whatever anchor, install or thread they come from. The
+ * range [0, STASH_SLOTS_PER_RANGE) is never handed out: it is left to callers of the ops that
+ * choose their slots themselves (README.md, the ops in a custom model).
+ * STASH_ERR_NOMEM once every range has been handed out (2^47 of them). */
+stash_status stash_new_slot_range(stash_registry *registry, int64_t *first);
 
 /* Set the budget (UINT64_MAX: no cap). Records already held stay, even above it (see Budget). */
 stash_status stash_set_max_bytes(stash_registry *registry, uint64_t max_bytes);

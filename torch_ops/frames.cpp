@@ -103,6 +103,11 @@ at::Tensor sdpa_entry(const at::Tensor& query, const at::Tensor& key, const at::
     fail(frame, Failure::limit,
          "attnstash: a recompute calls attention more often than its first forward did (" +
              std::to_string(frame.limit) + " times)");
+  if (index >= STASH_SLOTS_PER_RANGE)
+    fail(frame, Failure::op,
+         "attnstash: its forward calls attention more than " + std::to_string(STASH_SLOTS_PER_RANGE) +
+             " times, the most one stashed layer's forward may make (csrc/stash_registry.h, "
+             "STASH_SLOTS_PER_RANGE); stash smaller modules, each making fewer calls (layers= or filter_fn=)");
   const int64_t slot = frame.slot_base + index;
   const at::Tensor noted =
       frame.random == RandomCheck::none ? at::Tensor() : check_random(frame, slot, query.device());

@@ -189,6 +189,13 @@ static PyObject* set_token_binding(PyObject*, PyObject* binding) {
   Py_RETURN_NONE;
 }
 
+// new_slot_base() -> int: records.h, new_slot_base.
+static PyObject* new_slot_base(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  return PyLong_FromLongLong(attnstash::records::new_slot_base());
+  END_HANDLE_TH_ERRORS
+}
+
 static PyMethodDef attnstash_methods[] = {
     {"frame_phase", frame_phase, METH_O,
      "The phase of a stashed layer's forward as it starts (torch_ops/keep_replay.h, FramePhase), given the grad "
@@ -201,6 +208,8 @@ static PyMethodDef attnstash_methods[] = {
     {"frame_close", frame_close, METH_O,
      "Close this thread's innermost frame (interrupted: its forward raised): (calls, ids or None, noted, failure "
      "or None)."},
+    {"new_slot_base", new_slot_base, METH_NOARGS,
+     "The first slot of a new range of slots_per_range (csrc/stash_registry.h, stash_new_slot_range)."},
     {"frame_depth", frame_depth, METH_NOARGS, "How many frames are open on this thread."},
     {"_set_compiled_attention", set_compiled_attention, METH_O,
      "Hand the frames the installer's hook for compiled frames (torch_ops/frames.h, CompiledAttention)."},
@@ -214,7 +223,8 @@ static struct PyModuleDef attnstash_module = {PyModuleDef_HEAD_INIT, "_C", "attn
 
 PyMODINIT_FUNC PyInit__C(void) {
   PyObject* module = PyModule_Create(&attnstash_module);
-  if (module != nullptr && PyModule_AddStringConstant(module, "torch_version", ATTNSTASH_TORCH_VERSION) < 0) {
+  if (module != nullptr && (PyModule_AddStringConstant(module, "torch_version", ATTNSTASH_TORCH_VERSION) < 0 ||
+                            PyModule_AddIntConstant(module, "slots_per_range", STASH_SLOTS_PER_RANGE) < 0)) {
     Py_DECREF(module);
     return nullptr;
   }

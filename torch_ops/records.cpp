@@ -246,6 +246,13 @@ int64_t clear() {
 
 void reset_peak() { stash_reset_peak(registry()); }
 
+int64_t new_slot_base() {
+  int64_t first = 0;
+  const stash_status s = stash_new_slot_range(registry(), &first);
+  TORCH_CHECK(s == STASH_OK, "attnstash: cannot hand out a new range of slots: ", stash_status_message(s));
+  return first;
+}
+
 void set_max_bytes(int64_t max_bytes) {
   stash_set_max_bytes(registry(), max_bytes < 0 ? UINT64_MAX : static_cast<uint64_t>(max_bytes));
 }

@@ -162,6 +162,10 @@ int64_t clear();
 // Set peak_bytes to the bytes held now.
 void reset_peak();
 
+// The first slot of a new range of STASH_SLOTS_PER_RANGE (stash_new_slot_range): a stashed
+// layer's, or a compiled layer class's.
+int64_t new_slot_base();
+
 // Set the budget in bytes; a negative value removes it. (What it does: stash_registry.h, Budget.)
 void set_max_bytes(int64_t max_bytes);
 

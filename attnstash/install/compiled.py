@@ -36,6 +36,7 @@ import torch._guards
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .. import backends, ops
+from ..ops import FramePhase
 from ..errors import CheckpointingError
 from . import state
 from .found import ATTR, CHECKPOINT_FUNCTION
@@ -144,7 +145,7 @@ def _inside_eager_checkpoint():
     diffusers' compile_repeated_blocks): a recompute, or the first forward of a non-reentrant
     checkpoint (its saved-tensor hooks). Evaluated once, as dynamo traces, from the eager state
     it traces in."""
-    return ops.frame_phase(-1) != ops.FramePhase.outside_checkpoint  # (grad on: a recompute, or non-reentrant)
+    return ops.frame_phase(-1) != FramePhase.outside_checkpoint  # (grad on: a recompute, or non-reentrant)
 
 
 def _eager_checkpoint_forward(layer, forward, args, kwargs, anchor):
@@ -275,7 +276,7 @@ def _class_slots(layer_class):
     """The slot base the layers of one class use when compiled inside an eager checkpoint (one per
     class name, so that they share their compiled code; the anchor tells their records apart)."""
     if layer_class not in _slots:
-        _slots[layer_class] = state.new_slot_base()
+        _slots[layer_class] = ops.new_slot_base()
     return _slots[layer_class]
 
 

@@ -38,6 +38,7 @@ import types
 import torch
 
 from .. import ops
+from ..ops import FramePhase
 from . import compiled, dropout, module_call, offload, random_state, state
 from ..errors import CheckpointingError, KeepError, ReplayError
 from .found import ATTR, CHECKPOINT_FUNCTION
@@ -58,11 +59,11 @@ class LayerStash:
         self.rng_noted = False  # a first forward noted a random state for its recompute to check (random_state.py)
         self.forward = forward  # the layer class's forward function (what torch.compile traces: compiled.py)
         self.checkpoint_call = None  # its CheckpointCall, for the checkpoint function it last read (stand_in)
-        self.slot_base = state.new_slot_base()
+        self.slot_base = ops.new_slot_base()
         state.live.add(self)
 
     def slots(self):
-        return range(self.slot_base, self.slot_base + (1 << state.SLOT_BITS))
+        return range(self.slot_base, self.slot_base + ops.SLOTS_PER_RANGE)
 
     def __deepcopy__(self, memo):
         # A deep copy of a stashed model has an install of its own (its own offload, no budget: the
@@ -96,11 +97,6 @@ class Frame:
 
 _new_frame = object.__new__
 
-# ops.FramePhase's values, as plain ints for the hot path.
-RECOMPUTE, RECOMPUTE_WITHOUT_GRAD, REENTRANT_FIRST, REENTRANT_FIRST_HOOKED, NON_REENTRANT_FIRST, UNREACHABLE, \
-    OUTSIDE_CHECKPOINT = (int(p) for p in ops.FramePhase)
-
-
 def open_frame(stash, anchor, phase, limit=None, preserves=None, token=None):
     """The frame of one forward of a stashed layer, by the phase it starts in (`phase`:
     ops.frame_phase's; run_in_frame's native frame decides by it whether its calls keep, and owns
@@ -111,16 +107,16 @@ def open_frame(stash, anchor, phase, limit=None, preserves=None, token=None):
     token, `anchor` is read only by a first forward whose `preserves` is not True (the random
     state's device) or whose layer has its own offload (offload.mover_for), and may be None
     otherwise (Run.__call__ reads it only then)."""
-    if phase <= RECOMPUTE_WITHOUT_GRAD:  # a recompute: it makes the calls its first forward made
+    if phase <= FramePhase.recompute_without_grad:  # a recompute: it makes the calls its first forward made
         first, mover, random = False, None, random_state.recompute_check(stash)
     else:
-        if phase == OUTSIDE_CHECKPOINT:
+        if phase == FramePhase.outside_checkpoint:
             raise CheckpointingError(
                 f"attnstash: {stash.name} is stashed, but its training forward runs outside any activation "
                 "checkpoint (grad mode on, outside backward, no checkpoint's saved-tensor hooks), so there is no "
                 "recompute to save and the stash could only cost memory. Checkpoint this layer (reentrant or not), "
                 "or do not stash it.")
-        if phase == REENTRANT_FIRST_HOOKED and token is None and anchor.requires_grad:
+        if phase == FramePhase.reentrant_first_hooked and token is None and anchor.requires_grad:
             raise CheckpointingError(
                 f"attnstash: {stash.name} runs a reentrant checkpoint under saved-tensor hooks (offloaded "
                 "checkpointing: torch.autograd.graph.save_on_cpu, or an offloading context), and its input is a "
@@ -129,7 +125,7 @@ def open_frame(stash, anchor, phase, limit=None, preserves=None, token=None):
                 "forward for as long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), "
                 "use non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
         first, random = True, random_state.first_check(preserves)
-        mover = offload.mover_for(stash, anchor, phase == NON_REENTRANT_FIRST) \
+        mover = offload.mover_for(stash, anchor, phase == FramePhase.non_reentrant_first) \
             if token is not None and offload.may_move(stash, phase) else None
     frame = _new_frame(Frame)  # (no __init__: a Python call less per forward)
     frame.stash, frame.phase, frame.first, frame.calls, frame.limit = stash, phase, first, 0, limit
@@ -223,9 +219,9 @@ def _eager_forward(layer, forward, args, kwargs):
             # Its frames come from its Run, which a training forward must reach. A reentrant
             # first forward runs without grad, where this cannot be told from a no-grad forward;
             # its recompute, which runs in backward with grad and without a Run, can.
-            if phase == RECOMPUTE:
+            if phase == FramePhase.recompute:
                 raise _unreached(stash, layer, "its recompute ran")
-            if phase != NON_REENTRANT_FIRST and phase != OUTSIDE_CHECKPOINT:  # grad off
+            if phase != FramePhase.non_reentrant_first and phase != FramePhase.outside_checkpoint:  # grad off
                 return forward(*args, **kwargs)
             reached = state.thread.reached
             before = reached.get(stash.slot_base, 0)
@@ -233,11 +229,11 @@ def _eager_forward(layer, forward, args, kwargs):
             if reached.get(stash.slot_base, 0) == before:
                 raise _unreached(stash, layer, "its training forward ran")
             return out
-        if phase == OUTSIDE_CHECKPOINT:
+        if phase == FramePhase.outside_checkpoint:
             raise compiled.checkpointing_off(stash)
     # Eval and generation: untouched; a recompute follows its first forward, whatever the
     # training flag says by then.
-    if not layer.training and phase > RECOMPUTE_WITHOUT_GRAD:
+    if not layer.training and phase > FramePhase.recompute_without_grad:
         return forward(*args, **kwargs)
     anchor = state.anchor_of(stash, args, kwargs)
     entry = module_call.pending_for(stash, anchor, phase)
@@ -329,7 +325,7 @@ class Run(functools.partial):
     def __call__(self, *args, **kwargs):
         stash = self.stash
         phase = ops.frame_phase(self.outer_grad)
-        if phase <= RECOMPUTE_WITHOUT_GRAD:
+        if phase <= FramePhase.recompute_without_grad:
             if self.moved is not None:
                 self.moved.fetch()
             limit = self.kept_calls if self.kept_calls is not None else 0

@@ -16,6 +16,7 @@ than one it cannot tell apart, and says so.
 import weakref
 
 from .. import ops
+from ..ops import FramePhase
 from ..errors import ReplayError
 from . import offload
 
@@ -64,10 +65,10 @@ def _handed(entry, layer_input):
 def pending_for(stash, layer_input, phase):
     """The Pending entry whose token a MODULE_CALL layer's forward anchors on in place of its
     input, or None (the input). `phase`: the forward's (ops.frame_phase)."""
-    if phase == ops.FramePhase.recompute:
+    if phase == FramePhase.recompute:
         return _for_recompute(stash, layer_input)
     if offload.may_move(stash, phase):
-        return _for_first_forward(stash, layer_input, phase == ops.FramePhase.non_reentrant_first)
+        return _for_first_forward(stash, layer_input, phase == FramePhase.non_reentrant_first)
     return None
 
 

@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from .. import ops
+from ..ops import FramePhase
 from ..errors import ReplayError
 
 _lock = threading.Lock()
@@ -29,8 +30,8 @@ def may_move(stash, phase):
     the device after it: under saved-tensor hooks (the user's offloading around a reentrant
     checkpoint, a non-reentrant checkpoint's own over any of the user's), or, a reentrant one, with
     the layer's own offload. (mover_for says by what.)"""
-    return phase == ops.FramePhase.non_reentrant_first or phase == ops.FramePhase.reentrant_first_hooked or \
-        (phase == ops.FramePhase.reentrant_first and stash.install.offload is not None)
+    return phase == FramePhase.non_reentrant_first or phase == FramePhase.reentrant_first_hooked or \
+        (phase == FramePhase.reentrant_first and stash.install.offload is not None)
 
 
 def mover_for(stash, layer_input, grad):

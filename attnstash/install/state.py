@@ -1,7 +1,8 @@
 """What the installer holds for the whole process, for each install and for each thread: stated
 here once, below core.py and compiled.py, which both read it (none reaches into
-another's privates for it). The phase each forward starts in is not kept here: the ops read it
-from torch's autograd state (ops.frame_phase)."""
+another's privates for it). Not kept here: the phase each forward starts in (the ops read it
+from torch's autograd state, ops.frame_phase) and the slots each layer keeps under (the registry
+hands out their ranges, ops.new_slot_base)."""
 import itertools
 import threading
 import weakref
@@ -10,11 +11,8 @@ import torch
 
 from ..errors import CheckpointingError
 
-SLOT_BITS = 16  # a layer's slots: base + call index, for up to 2**16 calls per forward
-
 lock = threading.RLock()  # installs, uninstalls, and the patch of transformers' layer class
 live = weakref.WeakSet()  # every core.LayerStash in use (deep copies of models included)
-_bases = itertools.count(1)
 
 
 class Install:
@@ -38,11 +36,6 @@ class _Thread(threading.local):
 
 
 thread = _Thread()
-
-
-def new_slot_base():
-    """The first slot of a new range of 2**SLOT_BITS (a stashed layer's, or a compiled class's)."""
-    return next(_bases) << SLOT_BITS
 
 
 def innermost_frame():

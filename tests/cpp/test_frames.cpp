@@ -134,6 +134,26 @@ TEST_F(Frames, ARecomputePastItsLimitAndACallTheOpRefusesFailAndSayWhy) {
   EXPECT_EQ(Stat("records"), 0);
 }
 
+TEST_F(Frames, AForwardMayCallAttentionAsOftenAsItsRangeHasSlotsAndNoMore) {
+  const int64_t base = attnstash::records::new_slot_base();
+  const int64_t next = attnstash::records::new_slot_base();
+  EXPECT_GE(next - base, STASH_SLOTS_PER_RANGE);
+  at::NoGradGuard no_grad;
+  Frame frame = Keeping(anchor, base);
+  frame.calls = STASH_SLOTS_PER_RANGE - 2;  // (as if it had made all but its last two calls)
+  attnstash::frames::open(frame);
+  Sdpa(q);
+  Sdpa(q);
+  EXPECT_NE(attnstash::records::record_id(anchor, base + STASH_SLOTS_PER_RANGE - 1), 0);  // its range's last slot
+  EXPECT_THROW(Sdpa(q), c10::Error);  // the next call's slot would be the next range's first
+  Frame closed = attnstash::frames::close();
+  EXPECT_EQ(closed.failure, Failure::op);
+  EXPECT_EQ(closed.message.rfind("attnstash", 0), 0u) << closed.message;
+  EXPECT_NE(closed.message.find("STASH_SLOTS_PER_RANGE"), std::string::npos) << closed.message;
+  EXPECT_EQ(attnstash::records::record_id(anchor, base + STASH_SLOTS_PER_RANGE), 0);
+  EXPECT_EQ(attnstash::records::clear(), 2);
+}
+
 TEST_F(Frames, RandomNumbersDrawnBeforeACallAreNotedOrRefused) {
   at::NoGradGuard no_grad;
   Frame noting = Keeping(anchor, 1 << 16);

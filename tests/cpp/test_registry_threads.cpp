@@ -257,4 +257,38 @@ TEST(StashRegistryConcurrency, ReentrantReleaseCallbacksUnderContentionDoNotDead
   EXPECT_EQ(g_reentrant_releases.load(), total_kept);
 }
 
+// --- slot ranges ---------------------------------------------------------------
+
+TEST(StashRegistryConcurrency, SlotRangesHandedOutOnManyThreadsNeverOverlap) {
+  stash_registry *reg = nullptr;
+  ASSERT_EQ(stash_registry_create(&reg), STASH_OK);
+  EXPECT_EQ(stash_new_slot_range(nullptr, nullptr), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_new_slot_range(reg, nullptr), STASH_ERR_ARGUMENT);
+  const int workers = 8, per_worker = 2000;
+  std::vector<std::vector<int64_t>> firsts(workers);
+  std::vector<std::thread> threads;
+  for (int w = 0; w < workers; ++w) {
+    threads.emplace_back([&, w] {
+      for (int i = 0; i < per_worker; ++i) {
+        int64_t first = -1;
+        if (stash_new_slot_range(reg, &first) == STASH_OK) firsts[w].push_back(first);
+      }
+    });
+  }
+  for (auto &t : threads) t.join();
+  std::set<int64_t> all;
+  for (const auto &f : firsts) {
+    EXPECT_EQ(f.size(), static_cast<size_t>(per_worker));
+    for (int64_t first : f) {
+      EXPECT_GT(first, 0);  // slot 0 is no range's: a base of 0 would mean "no layer"
+      EXPECT_EQ(first % STASH_SLOTS_PER_RANGE, 0);
+      all.insert(first);
+    }
+  }
+  // Distinct multiples of the range size: no range overlaps another.
+  EXPECT_EQ(all.size(), static_cast<size_t>(workers * per_worker));
+  EXPECT_EQ(*all.rbegin(), static_cast<int64_t>(workers * per_worker) * STASH_SLOTS_PER_RANGE);
+  stash_registry_destroy(reg);
+}
+
 }  // namespace

@@ -184,6 +184,26 @@ def test_the_same_block_class_in_two_models_keeps_each_its_own(installed):
     assert_bitwise_equal(loss_and_grads(b, tokens), ref_b)
 
 
+def test_every_stashed_layer_has_a_range_of_slots_of_its_own(installed):
+    # Across models, deep copies and installs made on several threads at once (the registry hands
+    # the ranges out: csrc/stash_registry.h, stash_new_slot_range).
+    import threading
+    models = [gpt(checkpointing="reentrant", seed=s) for s in range(4)]
+    threads = [threading.Thread(target=installed, args=(m,), kwargs={"layers": Block}) for m in models]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    models.append(copy.deepcopy(models[0]))
+    bases = [m.__dict__["_attnstash"].slot_base for model in models for m in model.modules() if "_attnstash" in m.__dict__]
+    assert len(bases) == 5 * 3 and len(set(bases)) == len(bases)
+    assert all(b > 0 and b % ops.SLOTS_PER_RANGE == 0 for b in bases)
+    tokens = ids()
+    reference = loss_and_grads(gpt(checkpointing="reentrant", seed=0), tokens)
+    assert_bitwise_equal(loss_and_grads(models[-1], tokens), reference)
+    attnstash.uninstall_attention_stash(models[-1])
+
+
 def _sac(save):
     """Selective activation checkpointing that saves the ops `save` names (substrings of their
     names) and recomputes the rest."""
