@@ -7,18 +7,19 @@ Transformer2DModels, token refiners) calls `self._gradient_checkpointing_func(bl
 inside loops over its ModuleLists; which collections those are is read from the class's source
 (the loop that binds the block: `for block in self.transformer_blocks`, `zip(...)`, `enumerate(...)`,
 nested loops, a local alias). A block has attention if it holds a diffusers attention module or
-a module class that calls F.scaled_dot_product_attention. The default checkpoint function
+a module class whose code calls F.scaled_dot_product_attention (found.calls_any). The default checkpoint function
 checkpoints the block's module call (MODULE_CALL).
 """
 import ast
 import functools
+import inspect
 import sys
 import textwrap
 
 import torch
 
 from . import torch_adapter
-from .found import Found, MODULE_CALL, source_calls, source_of
+from .found import Found, MODULE_CALL, calls_any
 
 CALL = "_gradient_checkpointing_func"
 _ANY = "*"  # a path step: every item of the collection
@@ -62,7 +63,7 @@ def has_attention(block):
 
 @functools.lru_cache(maxsize=None)
 def _processor_class_attends(cls):
-    return source_calls(cls, ("scaled_dot_product_attention", "dispatch_attention_fn"))
+    return calls_any(cls, ("scaled_dot_product_attention", "dispatch_attention_fn"))
 
 
 def _processor_attends(processor):
@@ -100,6 +101,15 @@ def _resolve(owner, path):
 
 
 # ---- reading the class's source ------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def source_of(klass):
+    """A class's source ("" where there is none: a class made at run time)."""
+    try:
+        return inspect.getsource(klass)
+    except (OSError, TypeError):
+        return ""
+
 
 @functools.lru_cache(maxsize=None)
 def checkpointed_paths(cls):

@@ -1,11 +1,10 @@
 """What the adapters report of a model's layers (Found: the module, its name, whether to
-stash it, how it is reached), and the reading of class source they share. Below layers.py,
+stash it, how it is reached), and the reading of class code they share. Below layers.py,
 which asks the adapters, and the adapters, which import this; nothing here needs the ops."""
 import enum
 import functools
 import inspect
-import re
-import sys
+import types
 from typing import NamedTuple
 
 import torch
@@ -30,27 +29,50 @@ class Found(NamedTuple):
     reach: Reach
 
 
-def source_calls(klass, words):
-    """Whether a class calls one of `words` (names of attention functions) as the adapters read
-    it: its source names one, or names a function of its own module whose source does, directly
-    or as a value of a module-level dict (the table ModernBERT's attention picks its function
-    from)."""
-    source = source_of(klass)
-    if any(w in source for w in words):
+def calls_any(klass, words):
+    """Whether a class's code calls one of `words` (names of attention functions), as the adapters
+    read it from the code Python runs (its methods' code objects, not their source text: a
+    docstring or a comment that mentions one does not count, and a class made at run time, with
+    no source, is read like any other): a method of its own refers to one by name (a global, an
+    attribute, or the string getattr takes), or refers to a global, directly or as a value of a
+    module-level dict (the table ModernBERT's attention picks its function from), that is one of
+    them under another name or a function of the class's own module whose code names one."""
+    words = frozenset(words)
+    functions = list(_functions_of(klass))
+    if any(_names(f.__code__) & words for f in functions):
         return True
-    module = sys.modules.get(klass.__module__)
-    for name in set(re.findall(r"[A-Za-z_]\w*", source)):
-        value = getattr(module, name, None)
-        for f in (value.values() if isinstance(value, dict) else (value,)):
-            if inspect.isfunction(f) and f.__module__ == klass.__module__ and any(w in source_of(f) for w in words):
-                return True
+    for function in functions:
+        for name in _names(function.__code__):
+            value = function.__globals__.get(name)
+            for f in (value.values() if isinstance(value, dict) else (value,)):
+                if not callable(f):
+                    continue
+                if getattr(f, "__name__", None) in words:  # the function itself, by another name
+                    return True
+                if (inspect.isfunction(f) and f.__module__ == klass.__module__
+                        and _names(inspect.unwrap(f).__code__) & words):
+                    return True
     return False
 
 
+def _functions_of(klass):
+    """The functions a class defines itself (methods, static and class methods, properties'
+    accessors), each as written (unwrapped from functools.wraps decorators)."""
+    for value in vars(klass).values():
+        for f in ((value.fget, value.fset, value.fdel) if isinstance(value, property)
+                  else (getattr(value, "__func__", value),)):
+            if inspect.isfunction(f):
+                yield inspect.unwrap(f)
+
+
 @functools.lru_cache(maxsize=None)
-def source_of(obj):
-    """An object's source ("" where there is none: a builtin, a class made at run time)."""
-    try:
-        return inspect.getsource(obj)
-    except (OSError, TypeError):
-        return ""
+def _names(code):
+    """Every name a code object and the code nested in it (inner functions, lambdas,
+    comprehensions) refer to: globals and attributes, and strings made only of an identifier."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+        elif isinstance(const, str) and const.isidentifier():
+            names.add(const)
+    return frozenset(names)

@@ -51,9 +51,9 @@ def install_attention_stash(model, num_layers=None, *, layers=None, filter_fn=No
     if not candidates:
         raise InstallError(f"attnstash: none of the {len(found)} layers found in {type(model).__name__} is one to "
                            "stash: a checkpointed layer with a module whose class calls attention, as attnstash "
-                           "reads the classes' source (install/layers.py, source_calls). If a layer calls "
+                           "reads the classes' code (install/found.py, calls_any). If a layer calls "
                            "F.scaled_dot_product_attention in a way that reading misses, name the layers with "
-                           "layers=.")
+                           "layers= or filter_fn=.")
     count = len(candidates) if count_wanted is None else count_wanted
     if not 1 <= count <= len(candidates):
         raise InstallError(f"attnstash: num_layers must be between 1 and the {len(candidates)} attention layers of "

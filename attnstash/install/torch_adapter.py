@@ -3,7 +3,7 @@
 Layers found by themselves: the modules torch's checkpoint_wrapper wraps (CheckpointWrapper,
 torch.distributed.algorithms._checkpoint.checkpoint_wrapper, as torchtitan and FSDP recipes
 apply it), in the order of model.modules(). A layer has attention if one of its module classes
-calls F.scaled_dot_product_attention (read from the class's source) or is
+calls F.scaled_dot_product_attention (read from its code: found.calls_any) or is
 torch.nn.MultiheadAttention. Layers the user names (layers=: a module class, or modules) are
 taken as given. Either way the checkpoint runs the layer module itself (MODULE_CALL).
 """
@@ -12,7 +12,7 @@ import functools
 import torch
 
 from ..errors import InstallError
-from .found import Found, MODULE_CALL, source_calls
+from .found import Found, MODULE_CALL, calls_any
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,7 +24,7 @@ def class_calls_sdpa(cls):
     for klass in cls.__mro__:
         if klass.__module__.startswith("torch."):
             continue
-        if source_calls(klass, ("scaled_dot_product_attention",)):
+        if calls_any(klass, ("scaled_dot_product_attention",)):
             return True
     return False
 

@@ -2,7 +2,7 @@
 
 Layers: the model's GradientCheckpointingLayers, in the order of model.modules(); a layer
 has attention if a module class of its own (not of a layer nested in it) calls
-ALL_ATTENTION_FUNCTIONS or F.scaled_dot_product_attention (read from the class's source).
+ALL_ATTENTION_FUNCTIONS or F.scaled_dot_product_attention (read from its code: found.calls_any).
 Its checkpointed forward is reached through its checkpoint function: every release in the
 range calls `self._gradient_checkpointing_func(fn, *args)` with the layer's forward as fn
 (4.57 to 5.22 from GradientCheckpointingLayer.__call__, 5.23 from the `forward` that
@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ..errors import InstallError, UnsupportedVersionError
-from .found import CHECKPOINT_FUNCTION, Found, source_calls
+from .found import CHECKPOINT_FUNCTION, Found, calls_any
 
 SUPPORTED = ((4, 57), (5, 24))
 """The transformers releases attnstash was checked on, oldest and newest (major, minor):
@@ -85,7 +85,7 @@ def class_has_attention(cls):
     for klass in cls.__mro__:
         if klass is torch.nn.Module or not klass.__module__.startswith("transformers"):
             continue
-        if source_calls(klass, ("ALL_ATTENTION_FUNCTIONS", "scaled_dot_product_attention")):
+        if calls_any(klass, ("ALL_ATTENTION_FUNCTIONS", "scaled_dot_product_attention")):
             return True
     return False
 

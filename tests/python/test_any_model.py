@@ -11,7 +11,7 @@ import torch
 
 import attnstash
 from attnstash import ops
-from tiny_torch_models import Block, TableBlock, gpt, ids, loss_and_grads, wrapped
+from tiny_torch_models import AliasBlock, Block, MatmulBlock, Projections, TableBlock, gpt, ids, loss_and_grads, wrapped
 from helpers import assert_bitwise_equal, counters
 
 MODES = ("reentrant", "non-reentrant")
@@ -75,6 +75,33 @@ def test_attention_through_a_name_imported_before_the_install(mode, installed):
 def test_attention_picked_from_a_module_level_table_is_found(mode, installed):
     base = wrapped(gpt(block_class=TableBlock), mode)
     assert assert_the_stash_gives_the_normal_recompute(base, installed, 3) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_attention_through_a_module_level_alias_is_found(mode, installed):
+    base = wrapped(gpt(block_class=AliasBlock), mode)
+    assert assert_the_stash_gives_the_normal_recompute(base, installed, 3) == [0, 1, 2]
+
+
+def test_a_block_class_made_at_run_time_is_read_from_its_code(installed):
+    # exec'd: no source for inspect to read (a notebook cell run by exec, a generated class).
+    namespace = {"F": torch.nn.functional, "Projections": Projections}
+    exec("class RunTimeBlock(Projections):\n"
+         "    def forward(self, x, mask=None):\n"
+         "        b, s, d = x.shape\n"
+         "        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)\n"
+         "        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+         "        return x + self.proj(out.transpose(1, 2).reshape(b, s, d))\n", namespace)
+    base = wrapped(gpt(block_class=namespace["RunTimeBlock"]), "reentrant")
+    assert assert_the_stash_gives_the_normal_recompute(base, installed, 3) == [0, 1, 2]
+
+
+def test_a_block_that_only_mentions_attention_in_its_text_is_not_one_to_stash():
+    model = wrapped(gpt(block_class=MatmulBlock))
+    assert attnstash.attention_layers(model) == []
+    with pytest.raises(attnstash.InstallError, match="none of the 3 layers found in GPT is one to stash.*reads the "
+                                                     "classes' code.*layers= or filter_fn="):
+        attnstash.install_attention_stash(model)
 
 
 def test_num_layers_counts_from_the_last(installed):
