@@ -79,8 +79,9 @@ def _entry(packet):
 
 frame_phase = NATIVE.frame_phase
 """(outer_grad) -> FramePhase value: the phase of a stashed layer's forward as it starts, from this
-thread's autograd state (torch_ops/keep_replay.h states the rule). `outer_grad`: the grad mode of
-the call outside the layer's checkpoint, 1 or 0 (a bool does), or -1 where it cannot be seen."""
+thread's autograd state (torch_ops/keep_replay.h states the rule). `outer_grad`: whether a
+backward can reach the layer's checkpoint, as seen from the call outside it, 1 or 0 (a bool
+does), or -1 where it cannot be seen."""
 
 
 class FramePhase(enum.IntEnum):

@@ -36,8 +36,10 @@ bool saved_tensor_hooks_pushed();
 // forward starts, before any attention call, from the same state. The frame opens by it
 // (frames.h: whether its calls keep, what it owns), the installer checks and refuses by it
 // (attnstash/install/core.py, open_frame), and each call is then still decided by phase_of.
-// `outer_grad`: the grad mode of the call outside the layer's checkpoint (1 on, 0 off, -1 where
-// it cannot be seen).
+// `outer_grad`: whether a backward can reach the layer's checkpoint, as seen from the call outside
+// it (1 yes, 0 no, -1 where it cannot be seen): grad mode on there and one of the checkpoint's
+// tensor inputs requiring grad, without which a reentrant checkpoint gives its output no node
+// (attnstash/install/core.py, _outer_grad).
 enum class FramePhase {
   recompute = 0,                // inside a backward pass, grad on: its calls replay.
   recompute_without_grad = 1,   // inside a backward pass, grad off: nothing to replay.

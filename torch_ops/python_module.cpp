@@ -26,7 +26,7 @@ static PyObject* frame_phase(PyObject*, PyObject* outer_grad) {
   const long outer = PyLong_AsLong(outer_grad);
   if (outer == -1 && PyErr_Occurred()) return nullptr;
   if (outer < -1 || outer > 1) {
-    PyErr_Format(PyExc_ValueError, "attnstash: _C.frame_phase takes the outer grad mode as 1, 0 or -1 (unseen), got %ld",
+    PyErr_Format(PyExc_ValueError, "attnstash: _C.frame_phase takes outer_grad as 1, 0 or -1 (unseen), got %ld",
                  outer);
     return nullptr;
   }
@@ -198,8 +198,8 @@ static PyObject* new_slot_base(PyObject*, PyObject*) {
 
 static PyMethodDef attnstash_methods[] = {
     {"frame_phase", frame_phase, METH_O,
-     "The phase of a stashed layer's forward as it starts (torch_ops/keep_replay.h, FramePhase), given the grad "
-     "mode outside its checkpoint (1, 0, or -1 where unseen)."},
+     "The phase of a stashed layer's forward as it starts (torch_ops/keep_replay.h, FramePhase), given whether a "
+     "backward can reach its checkpoint from outside (1, 0, or -1 where unseen)."},
     {"new_token", new_token, METH_NOARGS,
      "attnstash::_new_token(): the op's kernel called directly, or its binding where a mode would see the call."},
     {"frame_open", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_open)), METH_FASTCALL,

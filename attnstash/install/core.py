@@ -296,12 +296,25 @@ class CheckpointCall:
         if self.traced:  # compiled.py
             return compiled.checkpoint_call(self.checkpoint, fn, args, kwargs)
         run = _new_run(Run, fn)  # (Run has no __new__ or __init__ of its own: a Python call less per checkpoint call)
-        run.stash, run.fn, run.outer_grad, run.preserves = self.stash, fn, torch.is_grad_enabled(), self.preserves
+        run.stash, run.fn, run.outer_grad, run.preserves = self.stash, fn, _outer_grad(args), self.preserves
         run.kept_calls, run.token, run.moved = None, ops.NEW_TOKEN(), None
         return self.checkpoint(run, *args, **kwargs)
 
 
 _new_run = functools.partial.__new__
+
+
+def _outer_grad(args):
+    """Whether a backward can reach a checkpoint called with `args`, as seen from outside it (a
+    Run's outer_grad, ops.frame_phase): grad mode is on and one of its tensor arguments requires
+    grad. A reentrant checkpoint gives its output a node only then: one whose inputs need no
+    grad (a frozen model part fed by frozen embeddings, a patcher run for its outputs) is never
+    recomputed, and its first forward keeps nothing."""
+    if torch.is_grad_enabled():
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                return True
+    return False
 
 
 class Run(functools.partial):
@@ -312,8 +325,8 @@ class Run(functools.partial):
     the stash (LLaMA-Factory's: `func.func.__self__` when `isinstance(func, partial)`). Whatever
     holds it for the recompute (the checkpoint's graph) holds its token, and so what its first
     forward kept: a graph dropped without a backward releases it."""
-    # Made by CheckpointCall alone: `fn`, the forward; `outer_grad`, the grad mode of the call
-    # outside the checkpoint; `preserves`, preserves_rng of the checkpoint function; `kept_calls`,
+    # Made by CheckpointCall alone: `fn`, the forward; `outer_grad`, whether a backward can reach
+    # the checkpoint from outside (_outer_grad); `preserves`, preserves_rng of the checkpoint function; `kept_calls`,
     # the attention calls the first forward kept (None before it, 0: it kept nothing); `token`,
     # what the ops anchor on (Anchor, above: ops.new_token); `moved`, what offload.py moved off
     # the device after the first forward.

@@ -261,7 +261,7 @@ TEST_F(Frames, AnInterruptedReentrantFirstForwardReleasesWhatItKeptAndNothingEls
 namespace {
 
 // The phase a stashed forward starts in (keep_replay.h, FramePhase), where C++ alone can set
-// the state: grad mode, inference mode, the outer grad mode. (Backward passes and saved-tensor
+// the state: grad mode, inference mode, outer_grad. (Backward passes and saved-tensor
 // hooks: tests/python/test_sdpa_ops_phases.py.)
 TEST(FramePhase, GradModeInferenceModeAndTheOuterGradModeDecideOutsideBackward) {
   using attnstash::FramePhase;

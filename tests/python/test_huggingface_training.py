@@ -156,6 +156,26 @@ def test_a_no_grad_forward_retains_nothing(installed):
     assert attnstash.stash_stats()["records"] == 0
 
 
+def test_a_reentrant_checkpoint_whose_inputs_need_no_grad_keeps_nothing(installed):
+    # Frozen embeddings without the hook transformers adds for them (enable_input_require_grads),
+    # or a frozen part of a model (BLT's patcher): no input of any layer's reentrant checkpoint
+    # requires grad, so none gets a node and none is recomputed. Nothing is kept for a recompute
+    # that never comes.
+    base = tiny_model("llama")
+    base.disable_input_require_grads()
+    base.get_input_embeddings().weight.requires_grad_(False)
+    ids = batch()
+    reference = loss_and_grads(clone(base), ids)
+    model = clone(base)
+    installed(model, 3)
+    keeps, replays = counters()
+    unused = attnstash.stash_stats()["released_unused"]
+    assert_bitwise_equal(loss_and_grads(model, ids), reference)
+    assert counters() == (keeps, replays)
+    assert attnstash.stash_stats()["released_unused"] == unused
+    assert attnstash.stash_stats()["records"] == 0
+
+
 def test_eval_and_generate_keep_nothing_and_match_the_original(installed):
     model = tiny_model("qwen3_moe")
     reference = clone(model)

@@ -208,7 +208,7 @@ def test_the_phase_a_stashed_forward_starts_in():
     """ops.frame_phase (keep_replay.h, FramePhase: what the installer opens each frame by) in every
     place a stashed layer's forward runs: outside everything, under no_grad, in inference mode,
     inside a backward, under offloading's saved-tensor hooks, and in each checkpoint's first
-    forward and recompute, with the outer grad mode seen on, off, or not at all."""
+    forward and recompute, with outer_grad (a backward can reach the checkpoint) seen on, off, or not at all."""
     P = ops.FramePhase
     seen = []
 
@@ -251,7 +251,7 @@ def test_the_phase_a_stashed_forward_starts_in():
         ("forward", P.non_reentrant_first, P.non_reentrant_first, P.non_reentrant_first),
         ("recompute", P.recompute, P.recompute, P.recompute),
         ("forward", hooked, hooked, P.unreachable), ("recompute", P.recompute, P.recompute, P.recompute)]
-    with pytest.raises(ValueError, match="takes the outer grad mode as 1, 0 or -1 .unseen., got 2"):
+    with pytest.raises(ValueError, match="takes outer_grad as 1, 0 or -1 .unseen., got 2"):
         ops.frame_phase(2)
 
 
