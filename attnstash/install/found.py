@@ -47,22 +47,45 @@ def calls_any(klass, words):
             for f in (value.values() if isinstance(value, dict) else (value,)):
                 if not callable(f):
                     continue
-                if getattr(f, "__name__", None) in words:  # the function itself, by another name
+                if _name_of(f) in words:  # the function itself, by another name
                     return True
-                if (inspect.isfunction(f) and f.__module__ == klass.__module__
-                        and _names(inspect.unwrap(f).__code__) & words):
+                if inspect.isfunction(f) and f.__module__ == klass.__module__ and \
+                        any(_names(g.__code__) & words for g in _as_written(f)):
                     return True
     return False
 
 
 def _functions_of(klass):
     """The functions a class defines itself (methods, static and class methods, properties'
-    accessors), each as written (unwrapped from functools.wraps decorators)."""
+    accessors), each with what it wraps (_as_written)."""
     for value in vars(klass).values():
         for f in ((value.fget, value.fset, value.fdel) if isinstance(value, property)
-                  else (getattr(value, "__func__", value),)):
+                  else (_attribute(value, "__func__", value),)):
             if inspect.isfunction(f):
-                yield inspect.unwrap(f)
+                yield from _as_written(f)
+
+
+def _as_written(f):
+    """A function and the functions it wraps (functools.wraps decorators: __wrapped__), outermost
+    first; a wrapped object that is not a Python function ends the chain."""
+    seen = []
+    while inspect.isfunction(f) and not any(f is g for g in seen):
+        seen.append(f)
+        f = _attribute(f, "__wrapped__", None)
+    return seen
+
+
+def _attribute(obj, name, default):
+    """getattr(obj, name, default), for objects whose attribute lookup raises something else."""
+    try:
+        return getattr(obj, name, default)
+    except Exception:
+        return default
+
+
+def _name_of(f):
+    name = _attribute(f, "__name__", None)
+    return name if isinstance(name, str) else None
 
 
 @functools.lru_cache(maxsize=None)

@@ -104,6 +104,40 @@ def test_a_block_that_only_mentions_attention_in_its_text_is_not_one_to_stash():
         attnstash.install_attention_stash(model)
 
 
+def test_the_code_reader_follows_decorators_and_static_methods_and_survives_odd_attributes():
+    import functools
+    from attnstash.install.found import calls_any
+
+    def decorated(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return fn(*args, **kwargs)
+        return wrapper
+
+    class Unreadable:  # a class attribute whose every lookup raises (a lazy proxy, a mock)
+        def __getattr__(self, name):
+            raise RuntimeError(name)
+
+    class Decorated(torch.nn.Module):
+        odd = Unreadable()
+
+        @decorated
+        def forward(self, q):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    class Static(torch.nn.Module):
+        attend = staticmethod(lambda q: torch.nn.functional.scaled_dot_product_attention(q, q, q))
+
+    class NamedLikeIt(torch.nn.Module):  # wraps the function's name, never calls it
+        @functools.wraps(torch.nn.functional.scaled_dot_product_attention)
+        def forward(self, x):
+            return x
+
+    words = ("scaled_dot_product_attention",)
+    assert calls_any(Decorated, words) and calls_any(Static, words)
+    assert not calls_any(NamedLikeIt, words)
+
+
 def test_num_layers_counts_from_the_last(installed):
     base = gpt(checkpointing="reentrant", layers=4)
     assert assert_the_stash_gives_the_normal_recompute(base, installed, 2, layers=Block, n=2) == [2, 3]
