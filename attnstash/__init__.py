@@ -12,6 +12,7 @@ normal recompute's.
     attnstash.plan(config_or_model, ...)               what the stash would keep, per layer
     attnstash.stash_stats(), stash_clear(), stash_set_max_bytes(...)   the stash itself
     attnstash.StashError and its kinds                 what it raises (attnstash.errors)
+    attnstash.StashWarning                             what it says of a run that goes on
 
 `import attnstash` registers the ops (it loads attnstash/_C); when they cannot load it warns
 with the reason and the command that fixes it (not under `python -m attnstash.info` or
@@ -24,7 +25,7 @@ import warnings
 
 from ._version import __version__
 from .errors import (ArgumentError, CheckpointingError, InstallError, KeepError, PlanError, ReplayError,
-                     StashError, UnsupportedVersionError)
+                     StashError, StashWarning, UnsupportedVersionError)
 
 def _own_command():
     """Whether this process is `python -m attnstash.info` or `python -m attnstash.planner`,
@@ -53,7 +54,7 @@ _EXPORTS = {
 _WITHOUT_OPS = {"parse_bytes", "plan"}  # usable when the ops cannot load
 
 __all__ = sorted(_EXPORTS) + ["__version__", "StashError", "ArgumentError", "InstallError", "UnsupportedVersionError",
-                              "CheckpointingError", "KeepError", "ReplayError", "PlanError"]
+                              "CheckpointingError", "KeepError", "ReplayError", "PlanError", "StashWarning"]
 
 
 def __getattr__(name):

@@ -14,6 +14,11 @@ class StashError(RuntimeError):
     """Any error of attnstash's."""
 
 
+class StashWarning(UserWarning):
+    """What attnstash says of a run that goes on, but not as the user set it up: torch.compile
+    could not trace the checkpoint of a stashed layer, which runs eagerly (install/compiled.py)."""
+
+
 class InstallError(StashError, ValueError):
     """install_attention_stash cannot serve this model, these layers or these arguments
     (nothing was installed)."""

@@ -11,7 +11,8 @@ For each: the graphs dynamo compiled (Counting), the fused attention forwards a 
 against the compiled run of their mode over one attention forward alone. The losses and
 gradients of each compiled run with the stash are compared bitwise with its mode's run without.
 Each run is compiled once, before the rounds, with the stash installed before compile traces
-(an install is part of what compile traces)."""
+(an install is part of what compile traces). Every run compiles under traceable_checkpoints()."""
+import contextlib
 import json
 
 import torch
@@ -24,6 +25,20 @@ from attnstash.install import compiled as compiled_frames
 from .harness import ATTENTION, environment, interleave, median_ms
 from attnstash import backends
 from .models import attention_forward, build_model, enable_checkpointing, plan, random_batch
+
+SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+
+
+def traceable_checkpoints():
+    """dynamo's setting under which a checkpointed forward with a side effect compiles (SIDE_EFFECTS
+    on, where the installed torch has it). transformers 5.25 requires the `kernels` package, whose
+    forward wrappers set a context variable inside attention modules' forwards; by default dynamo
+    cannot trace a checkpoint around them, and torch.utils.checkpoint runs it eagerly, with or
+    without the stash (attnstash/install/compiled.py, _fell_back, says so)."""
+    if not hasattr(torch._dynamo.config, SIDE_EFFECTS):
+        return contextlib.nullcontext()
+    return torch._dynamo.config.patch(**{SIDE_EFFECTS: True})
+
 
 FORWARD_EVENTS = {f"aten::{row.forward_op.name().split('::')[1].split('.')[0]}"
                   for row in backends.KEPT_BACKENDS if row.forward_op is not None}
@@ -105,21 +120,22 @@ def compile_mode(shape, args, out):
     torch._dynamo.reset()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 4 * len(specs))
     runs = [CompiledRun(name, shape, kind, stash, compiled, args.backend) for name, kind, stash, compiled in specs]
-    try:
-        checks = {}
-        for run in runs:  # compiles (untimed), then the check step: attention forwards and gradients
-            run.enter(), run.step(), run.enter()
-            forwards = attention_forwards(run.step)
-            checks[run.name] = {"graphs": run.counting.graphs if run.counting else 0,
-                                "nodes": run.counting.nodes if run.counting else 0,
-                                "attention_forwards_per_step": forwards, "grads": run.grads()}
-        planned = plan(runs[0].model, shape)
-        call = planned.layers[-1].calls[0]
-        times = interleave(runs, args.repeats, args.warmup, "compile",
-                           attention=attention_forward(call, shape.device, planned.dtype))
-    finally:
-        for run in runs:
-            run.close()
+    with traceable_checkpoints():
+        try:
+            checks = {}
+            for run in runs:  # compiles (untimed), then the check step: attention forwards and gradients
+                run.enter(), run.step(), run.enter()
+                forwards = attention_forwards(run.step)
+                checks[run.name] = {"graphs": run.counting.graphs if run.counting else 0,
+                                    "nodes": run.counting.nodes if run.counting else 0,
+                                    "attention_forwards_per_step": forwards, "grads": run.grads()}
+            planned = plan(runs[0].model, shape)
+            call = planned.layers[-1].calls[0]
+            times = interleave(runs, args.repeats, args.warmup, "compile",
+                               attention=attention_forward(call, shape.device, planned.dtype))
+        finally:
+            for run in runs:
+                run.close()
     attention_ms = median_ms(times[ATTENTION])
     by_name = {run.name: run for run in runs}
     references = {**{f"compiled + stash, {m}": f"compiled, {m}" for m in modes},
@@ -140,8 +156,11 @@ def compile_mode(shape, args, out):
         table.append(row)
     report = {"mode": "compile", "shape": shape.describe(), "backend": args.backend,
               "attention_forward_ms": attention_ms, "rounds": {"warmup": args.warmup, "repeats": args.repeats},
-              "configs": table, "environment": environment(shape.device)}
-    print(f"compile mode, {shape.describe()}, backend {args.backend}; attention forward alone {attention_ms:.3f} ms")
+              "configs": table, "environment": environment(shape.device),
+              "dynamo": {SIDE_EFFECTS: hasattr(torch._dynamo.config, SIDE_EFFECTS)}}
+    side_effects = f", dynamo's {SIDE_EFFECTS} on" if hasattr(torch._dynamo.config, SIDE_EFFECTS) else ""
+    print(f"compile mode, {shape.describe()}, backend {args.backend}{side_effects}; "
+          f"attention forward alone {attention_ms:.3f} ms")
     print(f"{'configuration':32} {'graphs':>6} {'nodes':>6} {'attn/step':>9} {'step ms':>9} {'saved/layer':>11} "
           f"{'efficiency':>10}  bitwise")
     for r in table:

@@ -16,6 +16,9 @@ install's; what differs from eager (README.md, "Under torch.compile"):
     layer raises CheckpointingError, and num_layers (planned with attnstash.plan) sizes it;
   - a call PyTorch runs on its math backend is decomposed before the policy sees it, so it
     is recomputed as without the stash (eager refuses it).
+Where dynamo cannot trace such a checkpoint (a graph break inside it), torch.utils.checkpoint
+runs it eagerly with dynamo off: the layer's forward then runs in an eager frame, and the
+stash says once that compile gave up on it (_selective, _fell_back).
 A layer compiled on its own inside a checkpoint that runs eagerly (torch.compile(block) inside
 checkpoint(...), diffusers' compile_repeated_blocks) is different: that checkpoint reruns the
 whole compiled layer, so no policy inside the graph can spare its attention. There the layer's
@@ -30,6 +33,7 @@ goes when its layer input is freed (no node of ours owns it).
 import functools
 import sys
 import threading
+import warnings
 
 import torch
 import torch._guards
@@ -37,7 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .. import backends, ops
 from ..ops import FramePhase
-from ..errors import CheckpointingError
+from ..errors import CheckpointingError, StashWarning
 from . import state
 from .found import ATTR, CHECKPOINT_FUNCTION
 
@@ -75,21 +79,45 @@ CONTEXT = functools.partial(create_selective_checkpoint_contexts, _policy)
 """The context_fn of every stashed layer's selective checkpoint under torch.compile."""
 
 
-def _selective(fn):
-    """fn run inside a selective checkpoint that saves its attention (CONTEXT), nested inside the
-    checkpoint that runs it: the inner region's policy decides for the ops it holds."""
+def _selective(stash, fn, in_frame):
+    """A stashed layer's forward `fn` run inside a selective checkpoint that saves its attention
+    (CONTEXT), nested inside the checkpoint that runs it: the inner region's policy decides for
+    the ops it holds. Where dynamo cannot trace that checkpoint (a graph break inside the layer:
+    a side effect such as the forward wrappers of the `kernels` package, which transformers 5.25
+    requires), the checkpoint runs eagerly with dynamo off (torch.utils.checkpoint's own
+    fallback), and calls this eagerly too: fn then runs in an eager frame, in_frame(stash, fn,
+    args, kwargs) (core.in_frame), which keeps and replays as for a layer that is not compiled."""
     def run(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            _fell_back(stash)
+            return in_frame(stash, fn, args, kwargs)
         return checkpoint(fn, *args, use_reentrant=False, context_fn=CONTEXT, **kwargs)
     return run
 
 
-def layer_forward(layer, previous, args, kwargs):
+def _fell_back(stash):
+    """Says, once per install, that torch.compile gave up on a stashed layer's checkpoint."""
+    if stash.install.compile_fell_back:
+        return
+    stash.install.compile_fell_back = True
+    warnings.warn(
+        f"attnstash: torch.compile traced the activation checkpoint of {stash.name} but could not compile it: a graph "
+        "break inside the checkpointed forward (TORCH_LOGS=graph_breaks shows where) makes torch.utils.checkpoint run "
+        "the layer eagerly, with dynamo off. attnstash keeps and replays its attention eagerly there, so its "
+        "recompute still runs no attention forward, but the layer is not compiled. Where the break is the forward "
+        "wrapper of the `kernels` package (a side effect inside the checkpoint; transformers 5.25 requires that "
+        "package), torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True lets dynamo compile "
+        "the checkpoint. (Said once per install.)", StashWarning, stacklevel=2)
+
+
+def layer_forward(layer, previous, args, kwargs, in_frame):
     """A stashed layer's forward as dynamo traces it (core.stashed_forward under torch.compile;
     `previous`: the forward set on the layer before the install, or None):
     a MODULE_CALL layer's, which its checkpoint calls, runs in the selective checkpoint; a
     CHECKPOINT_FUNCTION layer's gets it from its checkpoint function (checkpoint_call), which may
     run inside this forward (transformers 5.23 and later) or around it (before); a layer
-    compiled inside an eager checkpoint routes its attention to the ops (_eager_checkpoint_forward)."""
+    compiled inside an eager checkpoint routes its attention to the ops (_eager_checkpoint_forward).
+    `in_frame`: core.in_frame, for _selective."""
     stash = layer.__dict__.get(ATTR)
     # The forward the layer had: one set on it before the install, else its class's (read from
     # the stash: dynamo cannot call a method looked up on some classes, those diffusers lets
@@ -109,7 +137,7 @@ def layer_forward(layer, previous, args, kwargs):
     if _inside_eager_checkpoint():  # the layer compiled, its checkpoint not
         return _eager_checkpoint_forward(layer, forward, args, kwargs, state.anchor_of(stash, args, kwargs))
     if stash.reach is not CHECKPOINT_FUNCTION:
-        return _selective(forward)(*args, **kwargs)
+        return _selective(stash, forward, in_frame)(*args, **kwargs)
     if not getattr(layer, "gradient_checkpointing", False):
         raise checkpointing_off(stash)
     return forward(*args, **kwargs)
@@ -301,7 +329,8 @@ def _calls_the_ops(layer_class):
 _calling = set()
 
 
-def checkpoint_call(checkpoint_function, fn, args, kwargs):
+def checkpoint_call(stash, checkpoint_function, fn, args, kwargs, in_frame):
     """A stashed CHECKPOINT_FUNCTION layer's checkpoint function as dynamo traces it
-    (core.CheckpointCall under torch.compile): fn runs in the selective checkpoint inside it."""
-    return checkpoint_function(_selective(fn), *args, **kwargs)
+    (core.CheckpointCall under torch.compile): fn runs in the selective checkpoint inside it
+    (_selective, with `in_frame`)."""
+    return checkpoint_function(_selective(stash, fn, in_frame), *args, **kwargs)

@@ -199,7 +199,7 @@ def stashed_forward(layer, *args, **kwargs):
     object per layer would be a guard per layer, and a recompile of each)."""
     previous = layer.__dict__.get(PREVIOUS)
     if torch.compiler.is_compiling():  # traced: compiled.py
-        return compiled.layer_forward(layer, previous, args, kwargs)
+        return compiled.layer_forward(layer, previous, args, kwargs, in_frame)
     forward = previous if previous is not None else type(layer).forward.__get__(layer)
     if state.dynamo_callback() is None:  # plain eager: nothing for torch.compiler.disable to turn off
         frames = state.thread.frames
@@ -235,6 +235,15 @@ def _eager_forward(layer, forward, args, kwargs):
     # training flag says by then.
     if not layer.training and phase > FramePhase.recompute_without_grad:
         return forward(*args, **kwargs)
+    return in_frame(stash, forward, args, kwargs, phase)
+
+
+def in_frame(stash, forward, args, kwargs, phase=None):
+    """One forward of a stashed layer in a frame whose anchor is its input (Anchor, above): a
+    MODULE_CALL layer's, and a CHECKPOINT_FUNCTION layer's whose checkpoint torch.compile could
+    not trace and ran eagerly (compiled._selective). `phase`: ops.frame_phase(-1), where read."""
+    if phase is None:
+        phase = ops.frame_phase(-1)
     anchor = state.anchor_of(stash, args, kwargs)
     entry = module_call.pending_for(stash, anchor, phase)
     frame = open_frame(stash, anchor, phase, token=entry and entry.token)
@@ -294,7 +303,7 @@ class CheckpointCall:
 
     def __call__(self, fn, *args, **kwargs):
         if self.traced:  # compiled.py
-            return compiled.checkpoint_call(self.checkpoint, fn, args, kwargs)
+            return compiled.checkpoint_call(self.stash, self.checkpoint, fn, args, kwargs, in_frame)
         run = _new_run(Run, fn)  # (Run has no __new__ or __init__ of its own: a Python call less per checkpoint call)
         run.stash, run.fn, run.outer_grad, run.preserves = self.stash, fn, _outer_grad(args), self.preserves
         run.kept_calls, run.token, run.moved = None, ops.NEW_TOKEN(), None

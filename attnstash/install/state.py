@@ -19,11 +19,12 @@ class Install:
     """One install_attention_stash, or a deep copy of a model that has one: what its layers
     (core.LayerStash.install) share. `offload`: its offload.Own, or None; `budget`: whether it set a
     budget (budget.push, with this object as the token); `layers`: how many of its layers are
-    still stashed. The install ends with the last of them (installer.py gives its budget back)."""
-    __slots__ = ("offload", "budget", "layers")
+    still stashed. The install ends with the last of them (installer.py gives its budget back);
+    `compile_fell_back`: whether compiled.py has said that a checkpoint it traced ran eagerly."""
+    __slots__ = ("offload", "budget", "layers", "compile_fell_back")
 
     def __init__(self, offload=None):
-        self.offload, self.budget, self.layers = offload, False, 0
+        self.offload, self.budget, self.layers, self.compile_fell_back = offload, False, 0, False
 
 
 class _Thread(threading.local):

@@ -2,6 +2,7 @@
 the graphs dynamo hands a backend and their call nodes (Counting), and the fused attention
 forwards a step runs (attention_forwards, torch.profiler); and the runs they are counted on
 (compiled_run, with_and_without_stash)."""
+import contextlib
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import attnstash
 _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
-from benchmarks.compiled import Counting, attention_forwards  # noqa: E402,F401 (the tests' counters)
+from benchmarks.compiled import Counting, attention_forwards, traceable_checkpoints  # noqa: E402,F401 (the tests' counters)
 
 
 def bitwise_equal(runs_a, runs_b):
@@ -24,21 +25,23 @@ def bitwise_equal(runs_a, runs_b):
         for (la, ga), (lb, gb) in zip(runs_a, runs_b))
 
 
-def compiled_run(use_stash, build, compile_it, backend="aot_eager", steps=2, **install):
+def compiled_run(use_stash, build, compile_it, backend="aot_eager", steps=2, traceable=True, **install):
     """Training steps of a fresh model, compiled, with the stash installed (install_attention_stash
     with `install`) or not: build() -> (model, step), step(run) -> (loss, {name: grad});
-    compile_it(model, counting) -> what to run. Returns (runs, the attention forwards of the last
-    step, the Counting backend); uninstalls whatever happens."""
+    compile_it(model, counting) -> what to run; under traceable_checkpoints() where `traceable`
+    (as `bench --mode compile` runs), else under dynamo's defaults. Returns (runs, the attention
+    forwards of the last step, the Counting backend); uninstalls whatever happens."""
     import attnstash
     torch._dynamo.reset()
     model, step = build()
     if use_stash:
         attnstash.install_attention_stash(model, **install)
     try:
-        counting = Counting(backend)
-        run = compile_it(model, counting)
-        runs = [step(run) for _ in range(steps - 1)]
-        forwards = attention_forwards(lambda: runs.append(step(run)))
+        with traceable_checkpoints() if traceable else contextlib.nullcontext():
+            counting = Counting(backend)
+            run = compile_it(model, counting)
+            runs = [step(run) for _ in range(steps - 1)]
+            forwards = attention_forwards(lambda: runs.append(step(run)))
     finally:
         if use_stash:
             attnstash.uninstall_attention_stash(model)

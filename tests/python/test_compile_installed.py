@@ -13,7 +13,7 @@ import torch._dynamo
 import attnstash
 import tiny_torch_models as plain
 from attnstash.install import compiled
-from compile_cases import bitwise_equal, compiled_run, with_and_without_stash
+from compile_cases import bitwise_equal, compiled_run, traceable_checkpoints, with_and_without_stash
 
 MODES = ["non-reentrant", "reentrant"]
 
@@ -180,12 +180,13 @@ def test_trainer_torch_compile_with_the_callback_trains_like_without_and_says_wh
     pytest.importorskip("peft")
     from test_trainer import trainer_run
     options = dict(reentrant=mode == "reentrant", torch_compile=True, torch_compile_backend="aot_eager")
-    torch._dynamo.reset()
-    plain_run = trainer_run(tmp_path / "plain", **options)
-    torch._dynamo.reset()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (other libraries')
-        run = trainer_run(tmp_path / "stash", callback=attnstash.AttentionStashCallback(), **options)
+    with traceable_checkpoints():
+        torch._dynamo.reset()
+        plain_run = trainer_run(tmp_path / "plain", **options)
+        torch._dynamo.reset()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (other libraries')
+            run = trainer_run(tmp_path / "stash", callback=attnstash.AttentionStashCallback(), **options)
     err = capfd.readouterr().err
     assert run.losses == plain_run.losses and len(run.losses) == 4
     assert all(torch.equal(plain_run.weights[n], run.weights[n]) for n in plain_run.weights)
@@ -193,6 +194,50 @@ def test_trainer_torch_compile_with_the_callback_trains_like_without_and_says_wh
     assert "attnstash: 3 layers stashed; 0 keeps, 0 replays, 0 declined; peak 0 bytes held; torch.compile traced" \
            in err, err
     assert attnstash.stash_stats()["records"] == 0
+
+
+class _Switch:
+    value = 0
+
+
+SWITCH = _Switch()
+
+
+def with_a_side_effect(forward):
+    """A forward that sets an attribute of a global object first, as the `kernels` package's
+    wrappers do around attention modules' forwards (transformers 5.25 requires that package):
+    dynamo cannot trace a checkpoint around it under its defaults."""
+    def forward_with_a_side_effect(*args, **kwargs):
+        SWITCH.value += 1
+        return forward(*args, **kwargs)
+    return forward_with_a_side_effect
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpoint_dynamo_cannot_trace_runs_eagerly_and_the_stash_keeps_there_and_says_so(mode):
+    # The whole model compiled, each layer's checkpoint untraceable (a side effect inside it, under
+    # dynamo's defaults): torch.utils.checkpoint runs each eagerly, with or without the stash. The
+    # stash keeps and replays there (one attention forward per call instead of two, bitwise) and
+    # warns once; before, it ran attention more often than without the stash and kept nothing.
+    base = hugging_face(mode)
+
+    def build():
+        model, step = base()
+        for layer in model.model.layers:
+            layer.self_attn.forward = with_a_side_effect(layer.self_attn.forward)
+        return model, step
+
+    without = compiled_run(False, build, whole_model(), traceable=False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with_stash = compiled_run(True, build, whole_model(), traceable=False)
+    (runs_a, forwards_a, counted_a), (runs_b, forwards_b, counted_b) = without, with_stash
+    assert (forwards_a, forwards_b) == (6, 3) and bitwise_equal(runs_a, runs_b)
+    assert counted_b.graphs == counted_a.graphs >= 1
+    fell_back = [w for w in said if issubclass(w.category, attnstash.StashWarning)]
+    assert len(fell_back) == 1 and "torch.compile traced the activation checkpoint of layer 0" in \
+        str(fell_back[0].message) and "skip_fwd_side_effects_in_bwd_under_checkpoint" in str(fell_back[0].message)
+    assert attnstash.stash_stats()["records"] == 0 and compiled.open_frames() == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
