@@ -22,7 +22,7 @@ TORCH ?= torch==2.13.0
 PINS := $(shell grep -v '^[[:space:]]*\(#\|$$\)' tests/requirements.txt)
 TRANSFORMERS ?= $(filter transformers==%,$(PINS))
 # The transformers releases the Hugging Face tests run on besides the pinned one (a venv each).
-HF_ALSO ?= 4.57.6 5.17.0 5.23.0
+HF_ALSO ?= 4.57.6 5.17.0 5.24.0
 # Pins a venv leaves out. The venvs of other transformers releases (hf-venvs, and
 # tests/transformers_matrix.sh through print-hf-pins) leave out diffusers, whose release needs a
 # huggingface_hub that transformers 4.57 refuses; the diffusers tests run in the main venv.

@@ -20,7 +20,7 @@ set -uo pipefail
 # 4.57.6 and the newest patch of each minor from 5.0 to the top of
 # attnstash/install/transformers_adapter.py's SUPPORTED (checked below).
 RELEASES=(4.57.6 5.0.0 5.1.0 5.2.0 5.3.0 5.4.0 5.5.4 5.6.2 5.7.0 5.8.1 5.9.0 5.10.4 5.11.0 5.12.1 5.13.1 5.14.1
-          5.15.1 5.16.1 5.17.0 5.18.0 5.19.0 5.20.2 5.21.1 5.22.2 5.23.0 5.24.0)
+          5.15.1 5.16.1 5.17.0 5.18.0 5.19.0 5.20.2 5.21.1 5.22.2 5.23.0 5.24.0 5.25.0)
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=$(mkdir -p "${OUT:-$ROOT/out/transformers-matrix}" && cd "${OUT:-$ROOT/out/transformers-matrix}" && pwd)

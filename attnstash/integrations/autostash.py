@@ -112,7 +112,8 @@ def _install_if_enabled(args, kwargs):  # _set_gradient_checkpointing(self, enab
 
 def _transformers(module):
     # Every way transformers, TRL, axolotl and LLaMA-Factory enable checkpointing ends in
-    # _set_gradient_checkpointing (4.57 to 5.24); the public names too, should a release rename it.
+    # _set_gradient_checkpointing (every release of transformers_adapter.SUPPORTED); the public
+    # names too, should a release rename it.
     _after(module.PreTrainedModel, "_set_gradient_checkpointing", _install_if_enabled)
     for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
         _after(module.PreTrainedModel, name, _install_on_self)

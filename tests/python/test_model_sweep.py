@@ -69,9 +69,11 @@ FAST = {
                "one attention block shared by several hybrid layers (4.57: no GradientCheckpointingLayer; "
                "5.0 to 5.3: the model's own training step fails, no rotary_emb)"),
     "hrm_text": ("supported", None, (), "layers run several times per forward, some under no_grad"),
-    "falcon": ("supported" if FALCON_KEPT else "refused at run", None if FALCON_KEPT else "math backend", (),
-               "attention that calls F.scaled_dot_product_attention directly, with one K/V head broadcast to "
-               "the query heads: kept where torch runs it on a kept backend (CPU flash), refused where on math"),
+    "falcon": ({"4": "supported" if FALCON_KEPT else "refused at run", "5.25": "supported"},
+               {"4": None if FALCON_KEPT else "math backend", "5.25": None}, (),
+               "before 5.25, attention that calls F.scaled_dot_product_attention directly, with one K/V head "
+               "broadcast to the query heads: kept where torch runs it on a kept backend (CPU flash), refused "
+               "where on math; from 5.25 through transformers' attention functions, supported"),
     "diffllama": ({"4": "refused at run", "5.13": "supported"}, {"4": "math backend", "5.13": None}, TEXT,
                   "two attention calls per attention module (5.13 on); F.sdpa directly, on math (before)"),
     "doge": ("refused at run", "requires grad", (),
