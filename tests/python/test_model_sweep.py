@@ -11,8 +11,8 @@ nothing held after, and its stashed layers include the parts named (encoder and 
 vision tower and language model).
 
 The fast subset takes under 30 seconds per transformers release on the 2-core machine (one
-thread, the machine otherwise busy; pytest's own figure): 16 s under 5.24.0, 19 s under
-5.23.0, 17 s under 5.17.0, 23 s under 4.57.6.
+thread, the machine otherwise busy; pytest's own figure): 12 s under 5.25.0, 16 s under
+5.24.0, 17 s under 5.17.0, 23 s under 4.57.6.
 """
 import os
 
