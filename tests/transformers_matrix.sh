@@ -64,9 +64,12 @@ rc=0
 for release in "${RELEASES[@]}"; do
   log=$OUT/$release.log
   echo "== transformers $release"
+  # Packages that only some releases require go first, so that each release runs with what it
+  # requires itself (kernels: 5.25 requires it, and 5.0 to 5.10 fail to import beside its release).
+  "$VENV/bin/python" -m pip uninstall --quiet -y kernels > "$log" 2>&1
   # (with datasets and huggingface_hub, so that pip moves them to releases that go with this one:
   # transformers 4.57 needs huggingface_hub < 1, which the newest datasets does not take)
-  if ! "$VENV/bin/python" -m pip install --quiet "transformers==$release" datasets huggingface_hub > "$log" 2>&1; then
+  if ! "$VENV/bin/python" -m pip install --quiet "transformers==$release" datasets huggingface_hub >> "$log" 2>&1; then
     record "$release" "| $release | install failed (see $release.log) |"; rc=1; continue
   fi
   start=$(date +%s)
