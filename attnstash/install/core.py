@@ -30,6 +30,9 @@ keep and what it owns (torch_ops/frames.h); open_frame, what it checks and refus
 decide each call's phase again from what they see. Inside the native frame, which run_in_frame
 opens around the forward, its attention calls, by whatever name, go to the ops at the layer's
 slots; random_state.py says what the frame checks of the random state before each call.
+
+Copies. A copy of a stashed layer (copy, deepcopy, pickle) is stashed as its original, with
+slots and an install of its own (copy_of).
 """
 import functools
 import sys
@@ -39,7 +42,7 @@ import torch
 
 from .. import ops
 from ..ops import FramePhase
-from . import compiled, dropout, module_call, offload, random_state, state
+from . import compiled, dropout, module_call, offload, random_state, state, transformers_adapter
 from ..errors import CheckpointingError, KeepError, ReplayError
 from .found import ATTR, CHECKPOINT_FUNCTION
 from .random_state import preserves_rng
@@ -64,14 +67,6 @@ class LayerStash:
 
     def slots(self):
         return range(self.slot_base, self.slot_base + ops.SLOTS_PER_RANGE)
-
-    def __deepcopy__(self, memo):
-        # A deep copy of a stashed model has an install of its own (its own offload, no budget: the
-        # original's lasts as long as the original's install), with slots of its own.
-        install = memo.get(id(self.install))
-        if install is None:
-            install = memo[id(self.install)] = state.Install(None if self.install.offload is None else offload.Own())
-        return LayerStash(self.index, self.name, self.reach, install, self.forward, self.kind)
 
 
 def stash_of(layer):
@@ -373,12 +368,14 @@ def attach(layer, index, name, reach, install):
         layer.__dict__[PREVIOUS] = previous
     layer.__dict__[ATTR] = stash
     layer.__dict__["forward"] = types.MethodType(stashed_forward, layer)
+    layer.__dict__[REDUCE] = types.MethodType(copy_of, layer)
     return stash
 
 
 def detach(layer):
     """Unstash one layer; its state.Install if that was the install's last layer, else None."""
     stash = layer.__dict__.pop(ATTR, None)
+    layer.__dict__.pop(REDUCE, None)
     forward = layer.__dict__.get("forward")
     if getattr(forward, "__func__", None) is stashed_forward:  # (one set over it since stays, and passes through)
         previous = layer.__dict__.pop(PREVIOUS, None)
@@ -391,6 +388,39 @@ def detach(layer):
     state.live.discard(stash)
     stash.install.layers -= 1
     return None if stash.install.layers else stash.install
+
+
+# ---- copies of a stashed layer ---------------------------------------------------------------------
+
+REDUCE = "__reduce_ex__"  # in a stashed layer's __dict__: how copy and pickle copy it (copy_of)
+
+
+def copy_of(layer, protocol):
+    """How a stashed layer is copied (copy.copy, copy.deepcopy, pickle: torch.save(model), then
+    torch.load), in place of the default, which would copy its forward as a method bound to the
+    original (pickled: a lookup of the name stashed_forward) and its stash with the original's
+    slots: the copy is made stashed (copied), and gets the rest of the layer's state as usual.
+    Its stash has slots of its own and shares an install with the other layers of its copy (the
+    install's own state.Install.__reduce__); nothing the original holds or kept comes with it."""
+    stash = layer.__dict__[ATTR]
+    rest = layer.__getstate__()
+    rest.pop(ATTR)
+    rest.pop(REDUCE)
+    if getattr(rest.get("forward"), "__func__", None) is stashed_forward:  # (not one set over it since)
+        del rest["forward"]
+    return copied, (type(layer), stash.index, stash.name, stash.reach, stash.install), rest
+
+
+def copied(cls, index, name, reach, install):
+    """A copy of a stashed layer, stashed as its original was, before the rest of its state is set
+    (copy_of). Where the copy is made in a process where no install has patched transformers'
+    layer class yet (torch.load), it is patched."""
+    layer = cls.__new__(cls)
+    with state.lock:
+        if reach is CHECKPOINT_FUNCTION:
+            transformers_adapter.patch(stand_in)
+        attach(layer, index, name, reach, install)
+    return layer
 
 
 def held_by_layer(stash, held):

@@ -114,6 +114,9 @@ class Own:
         self._forwards = []  # weak references to Moved, in forward order
         self._order_lock = threading.Lock()
 
+    def __reduce__(self):
+        return type(self), ()  # a copy's (state.Install.__reduce__) moves only its own forwards' records
+
     def moved(self, moved):
         with self._order_lock:
             self._forwards = [m for m in self._forwards if m() is not None and m().records]

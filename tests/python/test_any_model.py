@@ -345,3 +345,65 @@ def test_attention_arguments_torch_does_not_take_get_torch_s_own_error_inside_a_
         loss_and_grads(model, ids())
     assert str(stashed.value) == str(plain.value) and "scaled_dot_product_attention()" in str(plain.value)
     assert attnstash.stash_stats()["records"] == 0 and ops.frame_depth() == 0
+
+
+def _saved_and_loaded(model):
+    """torch.save(model) and torch.load of what it wrote (a whole model, not its state_dict)."""
+    import io
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+def _slot_bases(model):
+    return [m.__dict__["_attnstash"].slot_base for m in model.modules() if "_attnstash" in m.__dict__]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("how", ["the model checkpoints its blocks", "checkpoint_wrapper"])
+def test_a_stashed_model_saved_whole_loads_stashed_with_an_install_of_its_own(mode, how, installed):
+    # torch.save(model) mid-training: the loaded model is stashed as the saved one was (slots and
+    # an install of its own, nothing the original held), trains bitwise, and uninstalls apart.
+    base = gpt(checkpointing=mode) if how != "checkpoint_wrapper" else wrapped(gpt(), mode)
+    tokens = ids()
+    reference = loss_and_grads(copy.deepcopy(base), tokens)
+    model = copy.deepcopy(base)
+    named = {"layers": Block} if how != "checkpoint_wrapper" else {}
+    installed(model, **named)
+    loss = model(tokens).logsumexp(-1).mean()  # a forward in flight while it is saved
+    loaded = _saved_and_loaded(model)
+    assert [(i, n) for i, n, _ in attnstash.attention_layers(loaded, **named)] == \
+        [(i, n) for i, n, _ in attnstash.attention_layers(model, **named)]
+    assert set(_slot_bases(loaded)).isdisjoint(_slot_bases(model)) and len(set(_slot_bases(loaded))) == 3
+    assert attnstash.layer_stash_stats(loaded) == {i: (0, 0, 0) for i in range(3)}
+    for layer in loaded.modules():
+        if "_attnstash" in layer.__dict__:
+            assert layer.forward.__self__ is layer
+    keeps, replays = counters()
+    assert_bitwise_equal(loss_and_grads(loaded, tokens), reference)
+    assert counters() == (keeps + 3, replays + 3)
+    loss.backward()  # the original's own forward replays its own records
+    assert counters() == (keeps + 3, replays + 6)
+    attnstash.uninstall_attention_stash(loaded)
+    assert not any("_attnstash" in m.__dict__ or "forward" in m.__dict__ for m in loaded.modules())
+    assert_bitwise_equal(loss_and_grads(model, tokens), reference)  # the original keeps its install
+    assert attnstash.stash_stats()["records"] == 0
+
+
+def test_a_shallow_copy_of_a_stashed_layer_runs_its_own_forward(installed):
+    # copy.copy: the copy shares the block's parameters, and is stashed with slots of its own.
+    model = gpt(checkpointing="non-reentrant")
+    installed(model, layers=Block)
+    twin = copy.copy(model.blocks[1])
+    assert twin.forward.__self__ is twin and twin.qkv is model.blocks[1].qkv
+    assert _slot_bases(twin) != _slot_bases(model.blocks[1])
+    x = torch.randn(2, 12, 32, requires_grad=True)
+    keeps, replays = counters()
+    out = torch.utils.checkpoint.checkpoint(twin, x, None, use_reentrant=False)
+    assert attnstash.layer_stash_stats(twin) == {1: (1, attnstash.layer_stash_stats(twin)[1][1], 0)}
+    assert attnstash.layer_stash_stats(model) == {i: (0, 0, 0) for i in range(3)}
+    out.sum().backward()
+    assert counters() == (keeps + 1, replays + 1)
+    attnstash.uninstall_attention_stash(twin)
+    assert "forward" not in twin.__dict__ and "_attnstash" in model.blocks[1].__dict__

@@ -145,3 +145,54 @@ def test_attention_layers_print_one_line_each_and_still_unpack(installed):
     assert str(attnstash.attention_layers(model)).splitlines()[1:] == [
         "  1  model.layers.1  LlamaDecoderLayer", "  2  model.layers.2  LlamaDecoderLayer  stashed, 1 attention call "
                                                   "per forward"]
+
+
+LOAD_AND_TRAIN = """
+import json, sys, torch, attnstash
+from helpers import counters, nothing_installed
+from tiny_models import batch, loss_and_grads
+assert nothing_installed()
+model = torch.load(sys.argv[1], weights_only=False)
+layers = [index for index, _, _ in attnstash.attention_layers(model) if "_attnstash" in _.__dict__]
+keeps, replays = counters()
+loss, grads = loss_and_grads(model, batch())
+reference_loss, reference_grads = torch.load(sys.argv[2])
+bitwise = torch.equal(loss, reference_loss) and grads.keys() == reference_grads.keys() and \\
+    all(torch.equal(grads[n], reference_grads[n]) for n in grads)
+calls = [counters()[0] - keeps, counters()[1] - replays]
+attnstash.uninstall_attention_stash(model)
+print(json.dumps({"layers": layers, "bitwise": bitwise, "calls": calls, "records": attnstash.stash_stats()["records"],
+                  "unpatched": nothing_installed()}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_a_stashed_model_saved_whole_loads_stashed_in_a_new_process(mode, installed, tmp_path):
+    # torch.save(model), then torch.load in a process that never installed: the layers reach the
+    # stash there too (transformers' layer class is patched as the model loads), train bitwise,
+    # and uninstall to nothing installed.
+    import json
+    import pathlib
+    import subprocess
+    import sys
+    def without_input_hook(model):  # transformers' hook is a local function, which pickle cannot save
+        if hasattr(model, "_require_grads_hook"):
+            model.disable_input_require_grads()
+        return model
+
+    base = without_input_hook(tiny_model("llama"))
+    if mode == "non-reentrant":
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        without_input_hook(base)
+    ids = batch()
+    torch.save(loss_and_grads(clone(base), ids), tmp_path / "reference.pt")
+    model = clone(base)
+    installed(model, 2)
+    torch.save(model, tmp_path / "model.pt")
+    here = pathlib.Path(__file__).parent
+    done = subprocess.run([sys.executable, "-c", LOAD_AND_TRAIN, str(tmp_path / "model.pt"),
+                           str(tmp_path / "reference.pt")], capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "PYTHONPATH": str(here)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"layers": [1, 2], "bitwise": True, "calls": [2, 2], "records": 0, "unpatched": True}
