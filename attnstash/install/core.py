@@ -31,18 +31,16 @@ decide each call's phase again from what they see. Inside the native frame, whic
 opens around the forward, its attention calls, by whatever name, go to the ops at the layer's
 slots; random_state.py says what the frame checks of the random state before each call.
 
-Copies. A copy of a stashed layer (copy, deepcopy, pickle) is stashed as its original, with
-slots and an install of its own (copy_of).
+What a stashed layer carries in its __dict__, and how copies of it are made: attaching.py.
 """
 import functools
 import sys
-import types
 
 import torch
 
 from .. import ops
 from ..ops import FramePhase
-from . import compiled, dropout, module_call, offload, random_state, state, transformers_adapter
+from . import compiled, dropout, module_call, offload, random_state, state
 from ..errors import CheckpointingError, KeepError, ReplayError
 from .found import ATTR, CHECKPOINT_FUNCTION
 from .random_state import preserves_rng
@@ -356,71 +354,6 @@ class Run(functools.partial):
         out = run_in_frame(frame, self.fn, args, kwargs)
         self.kept_calls, self.moved = (frame.calls if frame.keep else 0), frame.moved
         return out
-
-
-# ---- install and uninstall -------------------------------------------------------------------------
-
-def attach(layer, index, name, reach, install):
-    """Stash one layer of `install` (a state.Install; the caller holds state.lock)."""
-    stash = LayerStash(index, name, reach, install, type(layer).forward, type(layer).__name__)
-    previous = layer.__dict__.get("forward")
-    if previous is not None:
-        layer.__dict__[PREVIOUS] = previous
-    layer.__dict__[ATTR] = stash
-    layer.__dict__["forward"] = types.MethodType(stashed_forward, layer)
-    layer.__dict__[REDUCE] = types.MethodType(copy_of, layer)
-    return stash
-
-
-def detach(layer):
-    """Unstash one layer; its state.Install if that was the install's last layer, else None."""
-    stash = layer.__dict__.pop(ATTR, None)
-    layer.__dict__.pop(REDUCE, None)
-    forward = layer.__dict__.get("forward")
-    if getattr(forward, "__func__", None) is stashed_forward:  # (one set over it since stays, and passes through)
-        previous = layer.__dict__.pop(PREVIOUS, None)
-        if previous is None:
-            del layer.__dict__["forward"]
-        else:
-            layer.__dict__["forward"] = previous
-    if stash is None:
-        return None
-    state.live.discard(stash)
-    stash.install.layers -= 1
-    return None if stash.install.layers else stash.install
-
-
-# ---- copies of a stashed layer ---------------------------------------------------------------------
-
-REDUCE = "__reduce_ex__"  # in a stashed layer's __dict__: how copy and pickle copy it (copy_of)
-
-
-def copy_of(layer, protocol):
-    """How a stashed layer is copied (copy.copy, copy.deepcopy, pickle: torch.save(model), then
-    torch.load), in place of the default, which would copy its forward as a method bound to the
-    original (pickled: a lookup of the name stashed_forward) and its stash with the original's
-    slots: the copy is made stashed (copied), and gets the rest of the layer's state as usual.
-    Its stash has slots of its own and shares an install with the other layers of its copy (the
-    install's own state.Install.__reduce__); nothing the original holds or kept comes with it."""
-    stash = layer.__dict__[ATTR]
-    rest = layer.__getstate__()
-    rest.pop(ATTR)
-    rest.pop(REDUCE)
-    if getattr(rest.get("forward"), "__func__", None) is stashed_forward:  # (not one set over it since)
-        del rest["forward"]
-    return copied, (type(layer), stash.index, stash.name, stash.reach, stash.install), rest
-
-
-def copied(cls, index, name, reach, install):
-    """A copy of a stashed layer, stashed as its original was, before the rest of its state is set
-    (copy_of). Where the copy is made in a process where no install has patched transformers'
-    layer class yet (torch.load), it is patched."""
-    layer = cls.__new__(cls)
-    with state.lock:
-        if reach is CHECKPOINT_FUNCTION:
-            transformers_adapter.patch(stand_in)
-        attach(layer, index, name, reach, install)
-    return layer
 
 
 def held_by_layer(stash, held):

@@ -4,7 +4,7 @@ import gc
 
 from .. import budget, ops
 from ..errors import InstallError
-from . import core, offload as offloading, state, transformers_adapter
+from . import attaching, core, offload as offloading, state, transformers_adapter
 from .found import CHECKPOINT_FUNCTION
 from .layers import find_layers, layer_count
 
@@ -73,7 +73,7 @@ def install_attention_stash(model, num_layers=None, *, layers=None, filter_fn=No
                 transformers_adapter.patch(core.stand_in)
             install = state.Install(offloading.Own() if offload else None)
             for index, f in chosen:
-                core.attach(f.module, index, f"layer {index} ({f.name or 'the model'}, {type(f.module).__name__})",
+                attaching.attach(f.module, index, f"layer {index} ({f.name or 'the model'}, {type(f.module).__name__})",
                             f.reach, install)
                 done.append(f.module)
             if limit is not None:
@@ -90,7 +90,7 @@ def install_attention_stash(model, num_layers=None, *, layers=None, filter_fn=No
 
 def _detach(module):
     """Unstash one layer; where it was its install's last, the install's budget ends with it."""
-    ended = core.detach(module)
+    ended = attaching.detach(module)
     if ended is not None and ended.budget:
         ended.budget = False
         budget.pop(ended)

@@ -59,17 +59,17 @@ def test_two_models_installed_at_once_do_not_interfere(installed):
 def test_install_is_all_or_nothing(monkeypatch):
     # A failure part-way (here: the third layer's forward cannot be wrapped) leaves no
     # attribute, wrapper or patch behind, and a later install works.
-    from attnstash.install import core
+    from attnstash.install import attaching
     model = tiny_model("llama")
     before = module_state(model)
-    attach = core.attach
+    attach = attaching.attach
 
     def refuse_the_third(layer, *args):
         if layer is model.model.layers[2]:
             raise RuntimeError("refused")
         return attach(layer, *args)
 
-    monkeypatch.setattr(core, "attach", refuse_the_third)
+    monkeypatch.setattr(attaching, "attach", refuse_the_third)
     with pytest.raises(RuntimeError, match="refused"):
         attnstash.install_attention_stash(model, max_bytes=100)
     monkeypatch.undo()

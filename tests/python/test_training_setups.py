@@ -339,36 +339,49 @@ def test_two_threads_training_one_model_get_the_single_threaded_gradients(mode, 
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_data_parallel_replicas_share_the_install_and_train_like_the_model(mode, installed):
-    # torch.nn.DataParallel replicates a module by copying its __dict__ (so every replica's
-    # layers share the stash) and runs the replicas in threads. Its replication needs CUDA;
-    # this runs the same replication (Module._replicate_for_data_parallel) and threads on CPU.
-    if mode == "reentrant":
-        pytest.skip("reentrant checkpointing refuses autograd.grad, which the replicas' threads take")
+def test_data_parallel_replicas_run_their_own_modules_and_train_like_the_model(mode, installed):
+    # torch.nn.DataParallel replicates a module for each device at every forward
+    # (torch.nn.parallel.replicate: a copy of each module's __dict__, Module._replicate_for_data_parallel,
+    # with its parameters' broadcast copies set on it), runs the replicas' forwards in threads, and
+    # the backward reaches the model's parameters through those copies. Replication needs CUDA;
+    # this does the same on CPU, with clones for the broadcast copies. Each replica's stashed
+    # layers must run the replica's own modules (a replica bound to the original would run the
+    # original's modules: on a GPU, on another device), share the stash, and train bitwise.
     base = checkpointed("llama", mode)
     model = clone(base)
     installed(model)
-    replicas = [replicate(model) for _ in range(2)]
     batches = [batch(seed=s) for s in (3, 4)]
-    results, errors = [None, None], []
+    replicas = [replicate(model) for _ in batches]
+    for replica in replicas:
+        stashed = [m for m in replica.modules() if "_attnstash" in m.__dict__]
+        assert len(stashed) == 3 and all(m.forward.__self__ is m for m in stashed)
+    losses, errors = [None, None], []
 
     def run(k):
         try:
-            loss = replicas[k](input_ids=batches[k], labels=batches[k]).loss
-            results[k] = [loss.detach()] + list(torch.autograd.grad(loss, list(replicas[k].parameters())))
+            losses[k] = replicas[k](input_ids=batches[k], labels=batches[k]).loss
         except BaseException as e:
             errors.append(e)
 
+    keeps, replays = counts()
     threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     assert not errors, errors
-    for k in range(2):
-        loss = base(input_ids=batches[k], labels=batches[k]).loss
-        want = [loss.detach()] + list(torch.autograd.grad(loss, list(base.parameters())))
-        assert all(torch.equal(a, b) for a, b in zip(results[k], want))
+    for k in range(2):  # each replica's backward apart, both forwards in flight until then
+        copies = [t for m in replicas[k].modules() for t in m.__dict__.values() if isinstance(t, torch.Tensor)]
+        reached = set()
+        for t in copies:
+            t.register_hook(lambda grad, t=t: reached.add(id(t)))
+        model.zero_grad(set_to_none=True)
+        losses[k].backward()
+        assert len(reached) == len(copies) == len(list(model.parameters()))  # through the replica's own copies
+        base.zero_grad(set_to_none=True)
+        assert_bitwise_equal((losses[k].detach(), {n: p.grad for n, p in model.named_parameters()}),
+                             loss_and_grads(base, batches[k]))
+    assert counts() == (keeps + 6, replays + 6)
     # DataParallel itself on a machine without GPUs runs the module as it is.
     dp = torch.nn.DataParallel(model)
     ids = batches[0]
@@ -380,15 +393,21 @@ def test_data_parallel_replicas_share_the_install_and_train_like_the_model(mode,
 
 
 def replicate(module):
-    """What torch.nn.parallel.replicate does to each module, without moving anything to a
-    GPU: a shallow copy of its __dict__ sharing the parameters."""
+    """What torch.nn.parallel.replicate does to each module, without a GPU: its copy
+    (Module._replicate_for_data_parallel, which starts with no parameters) with a copy of each
+    parameter set on it that is not a leaf and passes its gradient to the parameter (the
+    broadcast copies replicate() sets), the children replicated alike."""
     memo = {}
 
     def copy(m):
         if m in memo:
             return memo[m]
         r = m._replicate_for_data_parallel()
-        r._parameters = dict(m._parameters)  # (replicate() sets broadcast copies here)
+        for name, parameter in m._parameters.items():
+            if parameter is None:
+                r._parameters[name] = None
+            else:
+                setattr(r, name, parameter.clone())
         memo[m] = r
         for name, child in m._modules.items():
             r._modules[name] = copy(child) if child is not None else None
