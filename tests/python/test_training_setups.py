@@ -371,7 +371,8 @@ def test_data_parallel_replicas_run_their_own_modules_and_train_like_the_model(m
         t.join()
     assert not errors, errors
     for k in range(2):  # each replica's backward apart, both forwards in flight until then
-        copies = [t for m in replicas[k].modules() for t in m.__dict__.values() if isinstance(t, torch.Tensor)]
+        copies = [getattr(r, name) for r, m in zip(replicas[k].modules(), model.modules())
+                  for name, parameter in m._parameters.items() if parameter is not None]
         reached = set()
         for t in copies:
             t.register_hook(lambda grad, t=t: reached.add(id(t)))
