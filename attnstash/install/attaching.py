@@ -21,13 +21,18 @@ def attach(layer, index, name, reach, install):
     return stash
 
 
+def _ours(forward):
+    """Whether a layer's `forward` entry is the stash's (not one set over it since the install)."""
+    return getattr(forward, "__func__", None) is core.stashed_forward
+
+
 def detach(layer):
     """Unstash one layer; its state.Install if that was the install's last layer, else None."""
     stash = layer.__dict__.pop(ATTR, None)
     for name in BOUND:
         layer.__dict__.pop(name, None)
     forward = layer.__dict__.get("forward")
-    if getattr(forward, "__func__", None) is core.stashed_forward:  # (one set over it since stays, and passes through)
+    if _ours(forward):  # (one set over it since stays, and passes through)
         previous = layer.__dict__.pop(core.PREVIOUS, None)
         if previous is None:
             del layer.__dict__["forward"]
@@ -51,7 +56,7 @@ def copy_of(layer, protocol):
     rest = layer.__getstate__()
     for name in (ATTR, *BOUND):
         rest.pop(name)
-    if getattr(rest.get("forward"), "__func__", None) is core.stashed_forward:  # (not one set over it since)
+    if _ours(rest.get("forward")):  # (copied binds its own)
         del rest["forward"]
     return copied, (type(layer), stash.index, stash.name, stash.reach, stash.install), rest
 
@@ -62,6 +67,8 @@ def replica_of(layer):
     on the replica's device set on it after), with the layer's methods bound to the replica. The
     replicas share the layer's stash: their records are told apart by their anchors, their inputs."""
     replica = type(layer)._replicate_for_data_parallel(layer)
+    if _ours(replica.__dict__.get("forward")):
+        replica.__dict__["forward"] = types.MethodType(core.stashed_forward, replica)
     _bind(replica)
     return replica
 
@@ -70,18 +77,16 @@ BOUND = {"__reduce_ex__": copy_of, "_replicate_for_data_parallel": replica_of}  
 
 
 def _bind(layer):
-    """Binds a stashed layer's methods to it: its forward (where it is core.stashed_forward) and BOUND's."""
-    forward = layer.__dict__.get("forward")
-    if getattr(forward, "__func__", None) is core.stashed_forward:
-        layer.__dict__["forward"] = types.MethodType(core.stashed_forward, layer)
+    """Binds BOUND's methods to a stashed layer (attach, replica_of)."""
     for name, function in BOUND.items():
         layer.__dict__[name] = types.MethodType(function, layer)
 
 
 def copied(cls, index, name, reach, install):
     """A copy of a stashed layer, stashed as its original was, before the rest of its state is set
-    (copy_of). Every pickled stashed layer names this function: its module and name stay. Where the copy is made in a process where no install has patched transformers'
-    layer class yet (torch.load), it is patched."""
+    (copy_of). Every pickled stashed layer names this function: its module and name stay. Where
+    the copy is made in a process where no install has patched transformers' layer class yet
+    (torch.load), it is patched."""
     layer = cls.__new__(cls)
     with state.lock:
         if reach is CHECKPOINT_FUNCTION:

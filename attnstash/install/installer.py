@@ -73,8 +73,8 @@ def install_attention_stash(model, num_layers=None, *, layers=None, filter_fn=No
                 transformers_adapter.patch(core.stand_in)
             install = state.Install(offloading.Own() if offload else None)
             for index, f in chosen:
-                attaching.attach(f.module, index, f"layer {index} ({f.name or 'the model'}, {type(f.module).__name__})",
-                            f.reach, install)
+                attaching.attach(f.module, index,
+                                 f"layer {index} ({f.name or 'the model'}, {type(f.module).__name__})", f.reach, install)
                 done.append(f.module)
             if limit is not None:
                 budget.push(install, limit)

@@ -27,7 +27,7 @@ class Install:
         self.offload, self.budget, self.layers, self.compile_fell_back = offload, False, 0, False
 
     def __reduce__(self):
-        # A copy of a model (core.LayerStash.__reduce__) gets an install of its own: an offload of
+        # A copy of a model (attaching.copy_of) gets an install of its own: an offload of
         # its own if the original has one, no budget (the original's lasts as long as its install).
         return Install, (self.offload,)
 
