@@ -97,7 +97,8 @@ HF_TESTS = tests/python/test_huggingface_training.py tests/python/test_huggingfa
   tests/python/test_plan_measured.py tests/python/test_plan_command.py tests/python/test_plan_cuda.py \
   tests/python/test_model_sweep.py tests/python/test_budget.py tests/python/test_huggingface_dropout.py \
   tests/python/test_plan_quiet.py tests/python/test_plan_independent.py tests/python/test_plan_refused_for_cuda.py \
-  tests/python/test_offload_hooks.py tests/python/test_offload_own.py tests/python/test_compile_in_eager_checkpoint.py
+  tests/python/test_offload_hooks.py tests/python/test_offload_own.py tests/python/test_compile_in_eager_checkpoint.py \
+  tests/python/test_backward_twice.py
 print-hf-tests:
 	@echo $(HF_TESTS)
 print-hf-pins:

@@ -53,5 +53,5 @@ class KeepError(StashError):
 
 class ReplayError(StashError):
     """A recompute that cannot take its kept output: nothing kept for it (the stash was
-    cleared, a second backward through one forward), or a call that differs from its first
-    forward's."""
+    cleared, a backward through a forward whose graph an earlier backward freed), or a call
+    that differs from its first forward's."""

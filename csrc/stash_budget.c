@@ -1,4 +1,6 @@
-/* stash_budget.c: making room under the budget, by the rule of stash_registry.h (Budget). */
+/* stash_budget.c: the budget and what it counts: its bound (stash_set_max_bytes), records moved
+ * off the device, whose bytes it does not count (stash_set_moved), and making room under it by the
+ * rule of stash_registry.h (Budget). */
 #define _POSIX_C_SOURCE 200809L
 
 #include "stash_internal.h"
@@ -93,4 +95,39 @@ void registry_release_demoted(demoted_payload *demoted) {
     free(demoted);
     demoted = next;
   }
+}
+
+stash_status stash_set_max_bytes(stash_registry *registry, uint64_t max_bytes) {
+  if (registry == NULL) return STASH_ERR_ARGUMENT;
+  pthread_mutex_lock(&registry->mutex);
+  registry->stats.max_bytes = max_bytes;
+  pthread_mutex_unlock(&registry->mutex);
+  return STASH_OK;
+}
+
+stash_status stash_set_moved(stash_registry *registry, uint64_t id, int moved) {
+  if (registry == NULL || id == 0) return STASH_ERR_ARGUMENT;
+  moved = moved != 0;
+  stash_status status = STASH_ERR_MISSING;
+  pthread_mutex_lock(&registry->mutex);
+  stash_stats *s = &registry->stats;
+  for (size_t b = 0; b < registry->bucket_count && status == STASH_ERR_MISSING; ++b) {
+    for (stash_node *node = registry->buckets[b]; node != NULL; node = node->next) {
+      if (node->id != id) continue;
+      status = node->declined ? STASH_ERR_ARGUMENT : STASH_OK;
+      if (status == STASH_OK && node->moved != moved) {
+        registry_uncount(registry, node);
+        node->moved = moved;
+        if (moved) {
+          s->moved_bytes += node->entry.bytes;
+        } else {
+          s->bytes += node->entry.bytes;
+          if (s->bytes > s->peak_bytes) s->peak_bytes = s->bytes;
+        }
+      }
+      break;
+    }
+  }
+  pthread_mutex_unlock(&registry->mutex);
+  return status;
 }

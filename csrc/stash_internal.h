@@ -1,5 +1,5 @@
 /* stash_internal.h: what the registry's two files share (stash_registry.c: the table and
- * the API; stash_budget.c: making room under the budget). Not part of the contract. */
+ * the API; stash_budget.c: the budget, moved bytes, making room). Not part of the contract. */
 #ifndef ATTNSTASH_STASH_INTERNAL_H
 #define ATTNSTASH_STASH_INTERNAL_H
 
@@ -15,6 +15,7 @@ typedef struct stash_node {
   uint32_t refs;
   int declined;
   int moved; /* stash_set_moved: its bytes count in moved_bytes, not bytes */
+  int read;  /* stash_read handed it out: its release is no released_unused */
 } stash_node;
 
 struct stash_registry {

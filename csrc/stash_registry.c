@@ -1,5 +1,5 @@
-/* stash_registry.c: the stash registry of stash_registry.h, its functions in the
- * header's order after the private helpers.
+/* stash_registry.c: the stash registry of stash_registry.h, its functions (but the two of
+ * stash_budget.c) in the header's order after the private helpers.
  *
  * A chained hash table behind one pthread mutex. Buckets are chosen by the
  * anchor alone, so every record of one anchor lives in one chain; the full key is
@@ -9,8 +9,8 @@
  * Dropping records is two-phase: the nodes are unlinked into a private list and
  * the counters updated under the lock, then the lock is released and only then
  * are the release callbacks run and the nodes freed. A callback may thus call
- * back into the registry (even keep a new entry) without deadlock. The budget's
- * demotions are stash_budget.c's.
+ * back into the registry (even keep a new entry) without deadlock. The budget (its
+ * bound and demotions) and the bytes moved off the device are stash_budget.c's.
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -129,6 +129,7 @@ static stash_status store(stash_registry *r, const stash_key *key, stash_entry e
   node->refs = 1;
   node->declined = declined;
   node->moved = 0;
+  node->read = 0;
   /* Grow past a load factor of 3/4 (records / buckets), before linking. */
   if (s->records + 1 > r->bucket_count / 4 * 3) try_grow(r);
   stash_node **head = &r->buckets[bucket_of(key->anchor, r->bucket_count)];
@@ -155,7 +156,7 @@ static stash_status store(stash_registry *r, const stash_key *key, stash_entry e
  * however many forwards share it) and NULL is returned. */
 static stash_node *drop_one(stash_registry *r, stash_node **link) {
   stash_node *node = *link;
-  r->stats.released_unused += 1;
+  if (!node->read) r->stats.released_unused += 1;
   if (node->refs > 1) {
     node->refs -= 1;
     return NULL;
@@ -201,7 +202,7 @@ static stash_status release_matching(stash_registry *r, const uintptr_t *anchor,
       unlinked = node;
       r->stats.records -= 1;
       registry_uncount(r, node);
-      r->stats.released_unused += node->refs;
+      if (!node->read) r->stats.released_unused += node->refs;
       count += 1;
     }
   }
@@ -292,8 +293,9 @@ stash_status stash_share(stash_registry *registry, const stash_key *key, uint64_
   return status;
 }
 
-stash_status stash_take(stash_registry *registry, const stash_key *key, uint64_t id, stash_entry *out,
-                        uint64_t *id_out, int *declined_out) {
+/* stash_take (leave == 0) and stash_read (leave != 0). */
+static stash_status take_or_read(stash_registry *registry, const stash_key *key, uint64_t id, stash_entry *out,
+                                 uint64_t *id_out, int *declined_out, int leave) {
   if (registry == NULL || out == NULL) return STASH_ERR_ARGUMENT;
   stash_status status = check_key(key);
   if (status != STASH_OK) return status; /* a malformed key is no miss */
@@ -306,10 +308,20 @@ stash_status stash_take(stash_registry *registry, const stash_key *key, uint64_t
     pthread_mutex_unlock(&registry->mutex);
     return STASH_ERR_MISSING;
   }
+  if (leave && node->entry.retain == NULL) {
+    pthread_mutex_unlock(&registry->mutex);
+    return STASH_ERR_ARGUMENT;
+  }
   *out = node->entry;
   if (id_out != NULL) *id_out = node->id;
   if (declined_out != NULL) *declined_out = node->declined;
   if (!node->declined) registry->stats.replays += 1;
+  if (leave) {
+    node->entry.retain(node->entry.payload); /* the caller's own reference; the record's stay */
+    node->read = 1;
+    pthread_mutex_unlock(&registry->mutex);
+    return STASH_OK;
+  }
   int whole = node->refs == 1;
   if (whole) {
     *link = node->next;
@@ -323,6 +335,16 @@ stash_status stash_take(stash_registry *registry, const stash_key *key, uint64_t
 
   if (whole) free(node);
   return STASH_OK;
+}
+
+stash_status stash_take(stash_registry *registry, const stash_key *key, uint64_t id, stash_entry *out,
+                        uint64_t *id_out, int *declined_out) {
+  return take_or_read(registry, key, id, out, id_out, declined_out, 0);
+}
+
+stash_status stash_read(stash_registry *registry, const stash_key *key, uint64_t id, stash_entry *out,
+                        uint64_t *id_out, int *declined_out) {
+  return take_or_read(registry, key, id, out, id_out, declined_out, 1);
 }
 
 stash_status stash_release_id(stash_registry *registry, uint64_t id) {
@@ -415,41 +437,6 @@ stash_status stash_new_slot_range(stash_registry *registry, int64_t *first) {
     status = STASH_ERR_NOMEM;
   } else {
     *first = registry->next_slot_range++ * STASH_SLOTS_PER_RANGE;
-  }
-  pthread_mutex_unlock(&registry->mutex);
-  return status;
-}
-
-stash_status stash_set_max_bytes(stash_registry *registry, uint64_t max_bytes) {
-  if (registry == NULL) return STASH_ERR_ARGUMENT;
-  pthread_mutex_lock(&registry->mutex);
-  registry->stats.max_bytes = max_bytes;
-  pthread_mutex_unlock(&registry->mutex);
-  return STASH_OK;
-}
-
-stash_status stash_set_moved(stash_registry *registry, uint64_t id, int moved) {
-  if (registry == NULL || id == 0) return STASH_ERR_ARGUMENT;
-  moved = moved != 0;
-  stash_status status = STASH_ERR_MISSING;
-  pthread_mutex_lock(&registry->mutex);
-  stash_stats *s = &registry->stats;
-  for (size_t b = 0; b < registry->bucket_count && status == STASH_ERR_MISSING; ++b) {
-    for (stash_node *node = registry->buckets[b]; node != NULL; node = node->next) {
-      if (node->id != id) continue;
-      status = node->declined ? STASH_ERR_ARGUMENT : STASH_OK;
-      if (status == STASH_OK && node->moved != moved) {
-        registry_uncount(registry, node);
-        node->moved = moved;
-        if (moved) {
-          s->moved_bytes += node->entry.bytes;
-        } else {
-          s->bytes += node->entry.bytes;
-          if (s->bytes > s->peak_bytes) s->peak_bytes = s->bytes;
-        }
-      }
-      break;
-    }
   }
   pthread_mutex_unlock(&registry->mutex);
   return status;

@@ -123,7 +123,7 @@ typedef struct stash_record {
   X(declined, "forwards whose keep the budget declined: their recompute runs attention itself")    \
   X(replays, "recomputes that took a kept output back instead of running attention")               \
   X(misses, "recomputes that looked for a kept output and found none")                             \
-  X(released_unused, "forwards whose record was dropped without a recompute (graph dropped, cleared)") \
+  X(released_unused, "forwards whose record was dropped before a recompute took or read it (graph dropped, cleared)") \
   X(moved_bytes, "bytes of kept records moved off the device until their recompute (offloading)")
 
 typedef struct stash_stats {
@@ -172,6 +172,13 @@ stash_status stash_share(stash_registry *registry, const stash_key *key, uint64_
  * record's id and whether it is declined. The record is unlinked with its last reference.
  * A missing record counts a miss. */
 stash_status stash_take(stash_registry *registry, const stash_key *key, uint64_t id, stash_entry *out,
+                        uint64_t *id_out, int *declined_out);
+
+/* As stash_take, but the record stays held with all its references: the caller gets a reference
+ * of its own (the entry's retain callback; STASH_ERR_ARGUMENT if it has none). For a recompute
+ * that may run again (a backward that keeps its graph); a replay or a miss counts as in
+ * stash_take. */
+stash_status stash_read(stash_registry *registry, const stash_key *key, uint64_t id, stash_entry *out,
                         uint64_t *id_out, int *declined_out);
 
 /* Drop one reference of the record with this id, wherever it is held (it is unlinked with

@@ -14,6 +14,8 @@ namespace attnstash {
 
 bool inside_backward() { return torch::autograd::get_current_graph_task_id() != -1; }
 
+bool backward_keeps_graph() { return inside_backward() && torch::autograd::get_current_graph_task_keep_graph(); }
+
 bool saved_tensor_hooks_pushed() { return !at::SavedTensorDefaultHooks::get_tls_state().stack.empty(); }
 
 namespace {
@@ -335,17 +337,21 @@ KeptForward keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t sl
   return kept;
 }
 
+// What a refusal says of a record a backward that keeps its graph leaves held.
+constexpr const char* kStillHeld = "the kept output stays held until this forward's graph is freed";
+
 PayloadPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t slot, bool check_backend) {
   const char* op = "sdpa_replay";
   records::release_freed();
   stash_key key = key_of(anchor, slot, op);
-  PayloadPtr e = records::take(key, 0).payload;  // ours now: a failed check releases it with e
+  const bool leave = backward_keeps_graph();
+  PayloadPtr e = records::take(key, 0, leave).payload;  // taken: a failed check releases it with e
   TORCH_CHECK(!e || kept_for(*e, anchor), "attnstash::", op, ": nothing is kept for this anchor (",
               anchor_str(anchor), ", slot ", slot, "): the output kept at its address belonged to an earlier tensor "
               "that has been freed. The recompute must receive the same anchor tensor (or a detached alias of it) "
               "as its first forward.");
   if (e) {
-    check_same_call(c, *e, check_backend, op, "the kept output has been released");
+    check_same_call(c, *e, check_backend, op, leave ? kStillHeld : "the kept output has been released");
     return e;
   }
   // A miss. Records of this anchor and slot under another version or shape explain it.
@@ -363,8 +369,8 @@ PayloadPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t 
               ") and slot ", slot, ". A recompute can only replay what its first forward kept, and a first forward "
               "keeps only inside an activation checkpoint (reentrant: grad off, no saved-tensor hooks, an anchor "
               "that requires grad; non-reentrant: under its saved-tensor hooks). A cleared stash "
-              "(attnstash.stash_clear()) or a second backward through the same forward leave nothing to replay "
-              "either. Offloading (saved-tensor hooks around the checkpoint that move its inputs: save_on_cpu on "
+              "(attnstash.stash_clear()) or a backward through a forward whose graph an earlier backward freed "
+              "(retain_graph=False) leave nothing to replay either. Offloading (saved-tensor hooks around the checkpoint that move its inputs: save_on_cpu on "
               "a GPU, transformers' offload=True) hands the recompute a copy of the layer input: anchor on a 0-dim "
               "token held for the forward instead. The installer does so for every layer that runs eagerly, not "
               "for a layer compiled on its own inside an eager checkpoint (block.compile(), diffusers' "
@@ -374,13 +380,14 @@ PayloadPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t 
 
 PayloadPtr take_owned(const SdpaCall& c, RecordOwner& owner) {
   const char* op = "sdpa_fwd_keep";
-  PayloadPtr e = records::take(owner.key, owner.id).payload;
+  const bool leave = backward_keeps_graph();
+  PayloadPtr e = records::take(owner.key, owner.id, leave).payload;
   TORCH_CHECK(e, "attnstash::", op, ": the output this forward kept (slot ", owner.key.slot, ") is gone: the stash "
-              "was cleared (attnstash.stash_clear()), or this is a second backward through the same forward "
-              "(retain_graph=True), which a kept output cannot serve.");
-  owner.taken = true;
+              "was cleared (attnstash.stash_clear()), or an earlier backward through this forward took it without "
+              "keeping the graph (retain_graph=False).");
+  owner.taken = !leave;
   // The backend is this forward's own, whatever sdpa_kernel context the backward runs in.
-  check_same_call(c, *e, /*check_backend=*/false, op, "the kept output has been released");
+  check_same_call(c, *e, /*check_backend=*/false, op, leave ? kStillHeld : "the kept output has been released");
   return e;
 }
 

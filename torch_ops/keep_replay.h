@@ -110,6 +110,12 @@ bool node_saves_output(const Payload& record);
 // `non_reentrant`: kept behind a node of this forward's own graph.
 KeptForward keep_forward(const SdpaCall& call, const at::Tensor& anchor, int64_t slot, bool non_reentrant);
 
+// Whether a recompute runs in a backward pass that keeps its graph (retain_graph=True): another
+// backward through the same forward recomputes it again, so the two takes below leave its
+// record held, for its owner to release (a token, a non-reentrant node, the layer input's
+// storage: frames.h) or the last backward, which does not keep its graph, to take.
+bool backward_keeps_graph();
+
 // Take the recompute's record for (anchor, slot) and check that this call repeats its
 // first forward. `check_backend`: also that PyTorch would still choose the kept backend.
 PayloadPtr take_for_replay(const SdpaCall& call, const at::Tensor& anchor, int64_t slot, bool check_backend = true);

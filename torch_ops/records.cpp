@@ -161,10 +161,10 @@ Stored store(const stash_key& key, const PayloadPtr& payload) {
 
 bool share(const stash_key& key, uint64_t id) { return stash_share(registry(), &key, id) == STASH_OK; }
 
-Taken take(const stash_key& key, uint64_t id) {
+Taken take(const stash_key& key, uint64_t id, bool leave) {
   stash_entry e{};
   Taken taken;
-  if (stash_take(registry(), &key, id, &e, &taken.id, nullptr) == STASH_OK)
+  if ((leave ? stash_read : stash_take)(registry(), &key, id, &e, &taken.id, nullptr) == STASH_OK)
     taken.payload = PayloadPtr::reclaim(static_cast<Payload*>(e.payload));  // the reference handed to us
   return taken;
 }

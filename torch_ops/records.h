@@ -123,8 +123,10 @@ struct Taken {
   uint64_t id = 0;
 };
 
-// Take one forward's reference of the record under `key` (with this id, unless 0).
-Taken take(const stash_key& key, uint64_t id);
+// Take one forward's reference of the record under `key` (with this id, unless 0); with
+// `leave`, a reference of our own, the record staying held (stash_read: a recompute that may run
+// again).
+Taken take(const stash_key& key, uint64_t id, bool leave = false);
 
 // The record held under `key`, left held (null if none), and its id.
 Taken peek(const stash_key& key);
@@ -195,8 +197,9 @@ std::optional<at::Tensor> noted_rng(const at::Tensor& anchor, int64_t slot);
 }  // namespace records
 
 // Owns one forward's reference to a record for the life of that forward's graph node
-// (non-reentrant checkpointing): the node's backward takes it (taken = true), and a graph
-// dropped without a backward releases it as the node is destroyed.
+// (non-reentrant checkpointing): the node's backward takes it (taken = true), but for one that
+// keeps the graph (backward_keeps_graph), and a graph dropped without such a backward
+// releases it as the node is destroyed.
 struct RecordOwner : torch::CustomClassHolder {
   stash_key key;
   uint64_t id = 0;

@@ -1,5 +1,5 @@
 // test_registry_sharing.cpp: shared records of the C stash registry and their reference
-// counts (stash_share, takes of a shared record, stash_release_id), and declined records
+// counts (stash_share, takes of a shared record, stash_read, stash_release_id), and declined records
 // (stash_decline): what they hold and what taking, sharing and releasing them reports.
 
 #include "registry_test_support.h"
@@ -98,6 +98,72 @@ TEST(StashRegistry, ShareOfAMissingKeyOrAnotherIdIsMissingAndNoMiss) {
   EXPECT_EQ(stash_share(reg.get(), &key, 0), STASH_ERR_MISSING);
   EXPECT_EQ(Stats(reg.get()), before);
   EXPECT_EQ(Peek(reg.get(), key).refs, 1u);
+}
+
+// --- reading a record and leaving it held (stash_read) ------------------------------
+
+TEST(StashRegistry, ReadHandsOutARetainedReferenceCountsAReplayAndLeavesEveryReferenceHeld) {
+  Payload p;
+  Registry reg;
+  p.bytes = 60;
+  stash_key key = MakeKey(0x9450, 0, {4}, 0);
+  uint64_t id = Keep(reg.get(), key, EntryFor(p));
+  for (int read = 1; read <= 2; ++read) {  // a recompute that may run again, and again
+    stash_entry out{nullptr, 777, nullptr, nullptr};
+    uint64_t got = 777;
+    int declined = 777;
+    ASSERT_EQ(stash_read(reg.get(), &key, id, &out, &got, &declined), STASH_OK);
+    EXPECT_EQ(out.payload, &p);
+    EXPECT_EQ(out.bytes, 60u);
+    EXPECT_EQ(got, id);
+    EXPECT_EQ(declined, 0);
+    EXPECT_EQ(p.retains.load(), read);  // the reader's own reference, each time
+    EXPECT_EQ(Peek(reg.get(), key), (Held{&p, 60, id, 1, false}));
+    EXPECT_EQ(Stats(reg.get()).replays, static_cast<uint64_t>(read));
+  }
+  // The last recompute takes it: the registry's reference goes with the record.
+  ASSERT_EQ(Take(reg.get(), key, id).status, STASH_OK);
+  stash_stats s = Stats(reg.get());
+  EXPECT_EQ(s.records, 0u);
+  EXPECT_EQ(s.bytes, 0u);
+  EXPECT_EQ(s.replays, 3u);
+  EXPECT_EQ(s.released_unused, 0u);
+  EXPECT_EQ(p.releases.load(), 0);
+}
+
+TEST(StashRegistry, ARecordReadAndThenReleasedWasNotUnusedButOneNeverReadWas) {
+  Payload read, unread;
+  Registry reg;
+  stash_key kr = MakeKey(0x9470, 0, {}, 0), ku = MakeKey(0x9470, 0, {}, 1);
+  uint64_t read_id = Keep(reg.get(), kr, EntryFor(read));
+  Keep(reg.get(), ku, EntryFor(unread));
+  stash_entry out{};
+  ASSERT_EQ(stash_read(reg.get(), &kr, read_id, &out, nullptr, nullptr), STASH_OK);
+  // Its forward's graph goes without another backward: its owner releases it.
+  ASSERT_EQ(stash_release_id(reg.get(), read_id), STASH_OK);
+  EXPECT_EQ(Stats(reg.get()).released_unused, 0u);
+  EXPECT_EQ(read.releases.load(), 1);
+  ASSERT_EQ(stash_clear(reg.get(), nullptr), STASH_OK);
+  EXPECT_EQ(Stats(reg.get()).released_unused, 1u);  // the one never read
+}
+
+TEST(StashRegistry, ReadOfAMissingKeyCountsAMissAndOfAnUnshareableRecordIsAnArgumentError) {
+  Payload p;
+  Registry reg;
+  stash_key key = MakeKey(0x9460, 0, {}, 0), other = MakeKey(0x9460, 0, {}, 1);
+  uint64_t id = Keep(reg.get(), key, UnshareableEntryFor(p));
+  stash_entry out{nullptr, 777, nullptr, nullptr};
+  EXPECT_EQ(stash_read(reg.get(), &other, 0, &out, nullptr, nullptr), STASH_ERR_MISSING);
+  EXPECT_EQ(stash_read(reg.get(), &key, id + 1, &out, nullptr, nullptr), STASH_ERR_MISSING);
+  EXPECT_EQ(Stats(reg.get()).misses, 2u);
+  stash_stats before = Stats(reg.get());
+  // Without a retain callback no second reference can be handed out: nothing changes.
+  EXPECT_EQ(stash_read(reg.get(), &key, id, &out, nullptr, nullptr), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(out.payload, nullptr);
+  EXPECT_EQ(Stats(reg.get()), before);
+  EXPECT_EQ(Peek(reg.get(), key), (Held{&p, 0, id, 1, false}));
+  EXPECT_EQ(stash_read(nullptr, &key, id, &out, nullptr, nullptr), STASH_ERR_ARGUMENT);
+  EXPECT_EQ(stash_read(reg.get(), &key, id, nullptr, nullptr, nullptr), STASH_ERR_ARGUMENT);
 }
 
 TEST(StashRegistry, ReleaseIdDropsOneReferenceAndReleasesOnlyWithTheLast) {
