@@ -15,9 +15,11 @@ than one it cannot tell apart, and says so.
 """
 import weakref
 
+import torch
+
 from .. import ops
 from ..ops import FramePhase
-from ..errors import ReplayError
+from ..errors import CheckpointingError, ReplayError
 from . import offload
 
 _HELD = "attnstash_tokens"  # the key of the tokens a grad_fn holds, in its metadata
@@ -111,3 +113,21 @@ def _for_recompute(stash, layer_input):
     if entry.moved is not None:
         entry.moved.fetch()
     return entry
+
+
+def refuse_an_input_made_in_its_checkpoint(stash, layer_input):
+    """A reentrant recompute (no saved-tensor hooks: a non-reentrant one runs under its
+    checkpoint's) hands what its checkpoint calls a detached alias of the checkpoint's input, which
+    has no grad_fn. A layer input that has one was made inside the checkpoint (the layer is not
+    what its checkpoint calls on its input), and its first forward's input was another tensor,
+    made without grad, on which it kept nothing (keep_replay.h, Phase): nothing ties the recompute
+    to it. Called for a recompute with no pending entry; raises there."""
+    if layer_input.grad_fn is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return
+    raise CheckpointingError(
+        f"attnstash: {stash.name}: its input was computed inside its reentrant activation checkpoint (several "
+        "layers checkpointed together, as in torch.utils.checkpoint.checkpoint_sequential's segments, or code "
+        "before the layer inside the checkpointed function), so its recompute gets a new tensor that nothing ties "
+        "to its first forward. Stash only the layers each checkpoint calls on its own input (layers=), checkpoint "
+        "each stashed layer on its own, or use non-reentrant checkpointing (use_reentrant=False).")
+

@@ -1,6 +1,6 @@
 """Tiny models written in plain PyTorch, for the installer's tests: a nanoGPT-style decoder
-that calls torch.utils.checkpoint.checkpoint itself, and the same blocks wrapped by torch's
-checkpoint_wrapper (torchtitan's way)."""
+that calls torch.utils.checkpoint.checkpoint itself, the same blocks wrapped by torch's
+checkpoint_wrapper (torchtitan's way), and checkpointed two at a time (Pairs)."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,6 +107,23 @@ class GPT(nn.Module):
                 x = torch.utils.checkpoint.checkpoint(block, x, mask, use_reentrant=self.checkpointing == "reentrant",
                                                       preserve_rng_state=self.preserve_rng_state)
         return self.head(x)
+
+
+class Pairs(nn.Module):
+    """The GPT's four blocks checkpointed two at a time (one checkpoint around two blocks, as
+    torch.utils.checkpoint.checkpoint_sequential's segments are)."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.gpt = gpt(layers=4, checkpointing=None)
+        self.mode = mode
+
+    def forward(self, tokens, mask=None):
+        x = self.gpt.embed(tokens)
+        for first, second in zip(self.gpt.blocks[::2], self.gpt.blocks[1::2]):
+            x = torch.utils.checkpoint.checkpoint(lambda h, a=first, b=second: b(a(h)), x,
+                                                  use_reentrant=self.mode == "reentrant")
+        return self.gpt.head(x)
 
 
 def wrapped(model, mode="non-reentrant"):
