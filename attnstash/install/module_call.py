@@ -117,17 +117,20 @@ def _for_recompute(stash, layer_input):
 
 def refuse_an_input_made_in_its_checkpoint(stash, layer_input):
     """A reentrant recompute (no saved-tensor hooks: a non-reentrant one runs under its
-    checkpoint's) hands what its checkpoint calls a detached alias of the checkpoint's input, which
-    has no grad_fn. A layer input that has one was made inside the checkpoint (the layer is not
-    what its checkpoint calls on its input), and its first forward's input was another tensor,
-    made without grad, on which it kept nothing (keep_replay.h, Phase): nothing ties the recompute
-    to it. Called for a recompute with no pending entry; raises there."""
-    if layer_input.grad_fn is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    checkpoint's) hands what its checkpoint calls a detached alias of the checkpoint's input,
+    which has no grad_fn. Where nothing is kept for the layer input and it has one, it was made
+    inside the checkpoint, and its first forward's input was another tensor, made without grad,
+    on which nothing was kept (keep_replay.h, Phase). (An input that only passes through a node,
+    such as a full backward hook's, is still the first forward's, and its records are found.)
+    Called for a recompute with no pending entry; raises there."""
+    if layer_input.grad_fn is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None \
+            or ops.record_id(layer_input, stash.slot_base):
         return
     raise CheckpointingError(
-        f"attnstash: {stash.name}: its input was computed inside its reentrant activation checkpoint (several "
-        "layers checkpointed together, as in torch.utils.checkpoint.checkpoint_sequential's segments, or code "
-        "before the layer inside the checkpointed function), so its recompute gets a new tensor that nothing ties "
-        "to its first forward. Stash only the layers each checkpoint calls on its own input (layers=), checkpoint "
-        "each stashed layer on its own, or use non-reentrant checkpointing (use_reentrant=False).")
-
+        f"attnstash: {stash.name}: nothing is kept for its recompute's input, which has a grad_fn: it was made "
+        "inside its reentrant activation checkpoint (several layers checkpointed together, as in "
+        "torch.utils.checkpoint.checkpoint_sequential's segments, or code or a forward pre-hook that makes the "
+        "layer's input inside the checkpointed function), where a reentrant checkpoint hands what it calls a "
+        "detached alias of its own input; its first forward's input was another tensor, which nothing ties to "
+        "this one. Stash only the layers each checkpoint calls on its own input (layers=), checkpoint each stashed "
+        "layer on its own, or use non-reentrant checkpointing (use_reentrant=False).")

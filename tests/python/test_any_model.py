@@ -220,8 +220,9 @@ def test_a_layer_whose_input_is_made_inside_its_reentrant_checkpoint_is_refused_
     torch.manual_seed(0)
     model = Pairs("reentrant").train()
     installed(model, layers=list(model.gpt.blocks))
-    with pytest.raises(attnstash.CheckpointingError, match=r"layer 3 \(gpt.blocks.3, Block\): its input was computed "
-                                                          "inside its reentrant activation checkpoint") as raised:
+    with pytest.raises(attnstash.CheckpointingError, match=r"layer 3 \(gpt.blocks.3, Block\): nothing is kept for its "
+                                                          "recompute's input, which has a grad_fn: it was made inside "
+                                                          "its reentrant activation checkpoint") as raised:
         loss_and_grads(model, ids())
     # The inner layers kept nothing (their first forward's input needs no grad); the first
     # layers' records go with the graph, which the traceback holds: layer 2's was replayed, layer
