@@ -42,8 +42,8 @@ class CheckpointingError(StashError):
     """A stashed layer trains in a way the stash cannot replay: outside activation
     checkpointing, a reentrant checkpoint under saved-tensor hooks (offloading), random numbers
     the recompute does not reproduce, a recompute that calls attention more often than its
-    first forward, a training forward that calls no attention, an input made inside a
-    reentrant checkpoint."""
+    first forward, a training forward that calls no attention, a layer input that nothing ties
+    to its reentrant recompute (made inside the checkpoint, or needing no grad)."""
 
 
 class KeepError(StashError):

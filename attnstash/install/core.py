@@ -240,7 +240,7 @@ def in_frame(stash, forward, args, kwargs, phase=None):
     anchor = state.anchor_of(stash, args, kwargs)
     entry = module_call.pending_for(stash, anchor, phase)
     if entry is None and phase == FramePhase.recompute:
-        module_call.refuse_an_input_made_in_its_checkpoint(stash, anchor)
+        module_call.refuse_an_untied_recompute(stash, anchor)
     frame = open_frame(stash, anchor, phase, token=entry and entry.token)
     out = run_in_frame(frame, forward, args, kwargs)
     if frame.moved is not None:

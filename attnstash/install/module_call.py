@@ -115,22 +115,33 @@ def _for_recompute(stash, layer_input):
     return entry
 
 
-def refuse_an_input_made_in_its_checkpoint(stash, layer_input):
+def refuse_an_untied_recompute(stash, layer_input):
     """A reentrant recompute (no saved-tensor hooks: a non-reentrant one runs under its
-    checkpoint's) hands what its checkpoint calls a detached alias of the checkpoint's input,
-    which has no grad_fn. Where nothing is kept for the layer input and it has one, it was made
-    inside the checkpoint, and its first forward's input was another tensor, made without grad,
-    on which nothing was kept (keep_replay.h, Phase). (An input that only passes through a node,
-    such as a full backward hook's, is still the first forward's, and its records are found.)
-    Called for a recompute with no pending entry; raises there."""
-    if layer_input.grad_fn is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None \
+    checkpoint's) hands what its checkpoint calls a detached alias of the checkpoint's input: no
+    grad_fn, and requires_grad as the input had it. Where nothing is kept for the layer input,
+    one that has a grad_fn was made inside the checkpoint (its first forward's input was another
+    tensor, made without grad), and one that does not require grad was the first forward's too;
+    either way that first forward kept nothing (keep_replay.h, Phase: a reentrant first forward
+    is told from a no-grad one by its anchor requiring grad). An input that only passes through
+    a node, such as a full backward hook's, is still the first forward's, and its records are
+    found. Called for a recompute with no pending entry; raises there."""
+    made_here = layer_input.grad_fn is not None
+    if (not made_here and layer_input.requires_grad) \
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None \
             or ops.record_id(layer_input, stash.slot_base):
         return
+    if made_here:
+        raise CheckpointingError(
+            f"attnstash: {stash.name}: nothing is kept for its recompute's input, which has a grad_fn: it was made "
+            "inside its reentrant activation checkpoint (several layers checkpointed together, as in "
+            "torch.utils.checkpoint.checkpoint_sequential's segments, or code or a forward pre-hook that makes the "
+            "layer's input inside the checkpointed function), where a reentrant checkpoint hands what it calls a "
+            "detached alias of its own input; its first forward's input was another tensor, which nothing ties to "
+            "this one. Stash only the layers each checkpoint calls on its own input (layers=), checkpoint each "
+            "stashed layer on its own, or use non-reentrant checkpointing (use_reentrant=False).")
     raise CheckpointingError(
-        f"attnstash: {stash.name}: nothing is kept for its recompute's input, which has a grad_fn: it was made "
-        "inside its reentrant activation checkpoint (several layers checkpointed together, as in "
-        "torch.utils.checkpoint.checkpoint_sequential's segments, or code or a forward pre-hook that makes the "
-        "layer's input inside the checkpointed function), where a reentrant checkpoint hands what it calls a "
-        "detached alias of its own input; its first forward's input was another tensor, which nothing ties to "
-        "this one. Stash only the layers each checkpoint calls on its own input (layers=), checkpoint each stashed "
-        "layer on its own, or use non-reentrant checkpointing (use_reentrant=False).")
+        f"attnstash: {stash.name}: its input (its first tensor argument, which the stash anchors on) does not "
+        "require grad, so its first forward, which a reentrant checkpoint runs with grad off, could not be told "
+        "from a no-grad forward and kept nothing, and its recompute has nothing to replay. Make that input require "
+        "grad (the output of a frozen embedding, for one: x.requires_grad_() before the checkpoint), use "
+        "non-reentrant checkpointing (use_reentrant=False), or do not stash this layer.")
