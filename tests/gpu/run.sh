@@ -16,7 +16,8 @@
 #   build       attnstash/_C against that torch (CMake only: no pip, no GoogleTest)
 #   info        versions, and the SDPA backend torch picks at the Qwen3-30B-A3B attention shape
 #   pytest-gpu  every GPU test: each kept backend with and without masks, fully-masked rows,
-#               opcheck, Hugging Face steps under both checkpointing modes, CUDA autocast
+#               opcheck, Hugging Face steps under both checkpointing modes (one backward, and
+#               retain_graph then another), CUDA autocast
 #               (bf16, fp16), the budget, the planner's prediction against the kept bytes, the
 #               installer under inductor (the whole model; blocks inside eager checkpoints), the
 #               user's offloading (transformers' offload=True; pinned save_on_cpu around a plain

@@ -192,11 +192,13 @@ def test_opcheck_on_cuda():
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-def test_hugging_face_training_step_on_cuda(backend, padded, use_reentrant):
+@pytest.mark.parametrize("backwards", [1, 2], ids=["one backward", "retain_graph, then another"])
+def test_hugging_face_training_step_on_cuda(backend, padded, use_reentrant, backwards):
     """A tiny Llama in bf16 with every layer stashed, under either checkpointing mode: the
     loss bitwise the normal recompute's; each gradient bitwise where the normal runs are
     bitwise equal, else no further from its nearest normal run than the normal runs are
-    from each other."""
+    from each other. With two backwards, the first keeps the graph (retain_graph=True) and
+    each replays (test_backward_twice.py on CPU)."""
     from tiny_models import assert_within_run_spread, batch, clone, tiny_model
     if padded and backend not in MASKED_BACKENDS:
         pytest.skip("flash attention takes no mask: PyTorch never picks it for padded batches")
@@ -211,6 +213,9 @@ def test_hugging_face_training_step_on_cuda(backend, padded, use_reentrant):
     def step(model):
         with sdpa_kernel([backend]):
             loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+            if backwards == 2:
+                loss.backward(retain_graph=True)
+                loss = loss * 0.5
             loss.backward()
         return loss.detach(), [p.grad.float() for p in model.parameters()]
 
@@ -223,7 +228,7 @@ def test_hugging_face_training_step_on_cuda(backend, padded, use_reentrant):
     finally:
         attnstash.uninstall_attention_stash(model)
     after = attnstash.stash_stats()
-    assert (after["keeps"] - before["keeps"], after["replays"] - before["replays"]) == (2, 2)  # not a no-op
+    assert (after["keeps"] - before["keeps"], after["replays"] - before["replays"]) == (2, 2 * backwards)  # not a no-op
     assert_within_run_spread(normal, (loss, grads))
     assert attnstash.stash_stats()["records"] == 0
 
