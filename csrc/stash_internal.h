@@ -28,7 +28,13 @@ struct stash_registry {
 };
 
 /* Takes a node's bytes out of the counters (bytes or moved_bytes, where it counts them). */
-void registry_uncount(stash_registry *r, const stash_node *node);
+static inline void registry_uncount(stash_registry *r, const stash_node *node) {
+  if (node->moved) {
+    r->stats.moved_bytes -= node->entry.bytes;
+  } else {
+    r->stats.bytes -= node->entry.bytes;
+  }
+}
 
 /* How a predicate or visitor sees a node. */
 stash_record registry_record_of(const stash_node *node);

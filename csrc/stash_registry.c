@@ -66,14 +66,6 @@ stash_record registry_record_of(const stash_node *node) {
   return record;
 }
 
-void registry_uncount(stash_registry *r, const stash_node *node) {
-  if (node->moved) {
-    r->stats.moved_bytes -= node->entry.bytes;
-  } else {
-    r->stats.bytes -= node->entry.bytes;
-  }
-}
-
 /* Doubles the table. On allocation failure the old table stays: chaining
  * works at any load, so the caller's insertion can still go ahead. */
 static void try_grow(stash_registry *r) {
