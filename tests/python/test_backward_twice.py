@@ -3,8 +3,9 @@ GAN and multi-loss training, a loss backed up in parts. PyTorch recomputes each 
 layer in each backward; the stash replays what the first forward kept in each, and the record
 goes when the last backward (one that frees the graph) takes it, or with the graph. Both
 checkpointing modes, layers reached through transformers' checkpoint function and by a module
-call, with the user's offloading hooks or attnstash's own, a budget that demotes, a layer
-compiled inside its eager checkpoint; every run bitwise the run without the stash.
+call, with the user's offloading hooks (save_on_cpu, and a pair whose pack copies) or attnstash's
+own, a budget that demotes, a layer compiled inside its eager checkpoint; every run bitwise the
+run without the stash.
 (keep_replay.h, backward_keeps_graph, says the rule.)"""
 import gc
 
@@ -14,10 +15,14 @@ import torch
 import attnstash
 import tiny_torch_models as plain
 from offload_cases import KINDS, MODES, build
+from test_offload_hooks import copying
 from test_offload_own import install_stand_in
 from tiny_models import clone, counters
 
-HOW = ["eager", "under save_on_cpu", "with its own offload", "with a budget that demotes"]
+HOW = ["eager", "under save_on_cpu", "under hooks that copy", "with its own offload", "with a budget that demotes"]
+# (save_on_cpu on CPU tensors moves nothing; hooks that copy hand the recompute a copy of the
+# layer input, as every offloader does on a GPU)
+HOOKS = {"under save_on_cpu": torch.autograd.graph.save_on_cpu, "under hooks that copy": lambda: copying()[0]}
 
 
 def two_backwards(model, forward, hooks=None):
@@ -56,7 +61,7 @@ def assert_nothing_held():
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_second_backward_through_a_kept_graph_replays_again_bitwise(mode, kind, how, installed):
     case = build(kind, mode)
-    hooks = torch.autograd.graph.save_on_cpu if how == "under save_on_cpu" else None
+    hooks = HOOKS.get(how)
     reference = two_backwards(clone(case.model), case.forward, hooks)
     assert_bitwise(two_backwards(clone(case.model), case.forward, hooks), reference)  # reproducible
 
