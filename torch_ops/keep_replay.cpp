@@ -337,8 +337,11 @@ KeptForward keep_forward(const SdpaCall& c, const at::Tensor& anchor, int64_t sl
   return kept;
 }
 
-// What a refusal says of a record a backward that keeps its graph leaves held.
-constexpr const char* kStillHeld = "the kept output stays held until this forward's graph is freed";
+// What a refused check says of the record it took (`leave`: read by a backward that keeps its
+// graph, backward_keeps_graph).
+static const char* after_the_take(bool leave) {
+  return leave ? "the kept output stays held until this forward's graph is freed" : "the kept output has been released";
+}
 
 PayloadPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t slot, bool check_backend) {
   const char* op = "sdpa_replay";
@@ -351,7 +354,7 @@ PayloadPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t 
               "that has been freed. The recompute must receive the same anchor tensor (or a detached alias of it) "
               "as its first forward.");
   if (e) {
-    check_same_call(c, *e, check_backend, op, leave ? kStillHeld : "the kept output has been released");
+    check_same_call(c, *e, check_backend, op, after_the_take(leave));
     return e;
   }
   // A miss. Records of this anchor and slot under another version or shape explain it.
@@ -370,12 +373,12 @@ PayloadPtr take_for_replay(const SdpaCall& c, const at::Tensor& anchor, int64_t 
               "keeps only inside an activation checkpoint (reentrant: grad off, no saved-tensor hooks, an anchor "
               "that requires grad; non-reentrant: under its saved-tensor hooks). A cleared stash "
               "(attnstash.stash_clear()) or a backward through a forward whose graph an earlier backward freed "
-              "(retain_graph=False) leave nothing to replay either. Offloading (saved-tensor hooks around the checkpoint that move its inputs: save_on_cpu on "
-              "a GPU, transformers' offload=True) hands the recompute a copy of the layer input: anchor on a 0-dim "
-              "token held for the forward instead. The installer does so for every layer that runs eagerly, not "
-              "for a layer compiled on its own inside an eager checkpoint (block.compile(), diffusers' "
-              "compile_repeated_blocks), whose graph anchors on its input: turn offloading off for those, compile "
-              "the whole model instead, or do not stash them.");
+              "(retain_graph=False) leave nothing to replay either. Offloading (saved-tensor hooks around the "
+              "checkpoint that move its inputs: save_on_cpu on a GPU, transformers' offload=True) hands the "
+              "recompute a copy of the layer input: anchor on a 0-dim token held for the forward instead. The "
+              "installer does so for every layer that runs eagerly, not for a layer compiled on its own inside an "
+              "eager checkpoint (block.compile(), diffusers' compile_repeated_blocks), whose graph anchors on its "
+              "input: turn offloading off for those, compile the whole model instead, or do not stash them.");
 }
 
 PayloadPtr take_owned(const SdpaCall& c, RecordOwner& owner) {
@@ -387,7 +390,7 @@ PayloadPtr take_owned(const SdpaCall& c, RecordOwner& owner) {
               "keeping the graph (retain_graph=False).");
   owner.taken = !leave;
   // The backend is this forward's own, whatever sdpa_kernel context the backward runs in.
-  check_same_call(c, *e, /*check_backend=*/false, op, leave ? kStillHeld : "the kept output has been released");
+  check_same_call(c, *e, /*check_backend=*/false, op, after_the_take(leave));
   return e;
 }
 
