@@ -21,7 +21,8 @@ class StashWarning(UserWarning):
 
 class InstallError(StashError, ValueError):
     """install_attention_stash cannot serve this model, these layers or these arguments
-    (nothing was installed)."""
+    (nothing was installed), or uninstall_attention_stash cannot uninstall now (nothing was
+    uninstalled)."""
 
 
 class ArgumentError(StashError, ValueError):
@@ -54,5 +55,5 @@ class KeepError(StashError):
 
 class ReplayError(StashError):
     """A recompute that cannot take its kept output: nothing kept for it (the stash was
-    cleared, a backward through a forward whose graph an earlier backward freed), or a call
-    that differs from its first forward's."""
+    cleared, a backward through a forward whose graph an earlier backward freed, a first
+    forward that ran before the install), or a call that differs from its first forward's."""

@@ -58,10 +58,12 @@ bool peek_record(const stash_key& key, F f) {
 }
 
 template <class F>
-void release_records_if(F f) {
+size_t release_records_if(F f) {
+  size_t released = 0;
   stash_release_if(
       registry(), [](const stash_record* r, void* ctx) { return static_cast<int>((*static_cast<F*>(ctx))(*r)); },
-      &f, nullptr);
+      &f, &released);
+  return released;
 }
 
 // The records of one anchor for which f returns true: stash_release_anchor's lambda form.
@@ -244,6 +246,11 @@ int64_t clear() {
   return static_cast<int64_t>(released);
 }
 
+int64_t release_slots(int64_t first, int64_t count) {
+  return static_cast<int64_t>(
+      release_records_if([&](const stash_record& r) { return r.key->slot >= first && r.key->slot < first + count; }));
+}
+
 void reset_peak() { stash_reset_peak(registry()); }
 
 int64_t new_slot_base() {
@@ -259,7 +266,7 @@ void set_max_bytes(int64_t max_bytes) {
 
 std::vector<int64_t> held_by_slot() {
   struct Held {
-    int64_t records = 0, bytes = 0, declined = 0;
+    int64_t records = 0, bytes = 0, declined = 0, behind_node = 0;
   };
   std::map<int64_t, Held> by_slot;
   visit_records([&](const stash_record& r) {
@@ -267,9 +274,11 @@ std::vector<int64_t> held_by_slot() {
     held.records += 1;
     held.bytes += static_cast<int64_t>(r.entry->bytes);
     held.declined += r.declined ? 1 : 0;
+    held.behind_node += payload_of(r).call.non_reentrant ? 1 : 0;
   });
   std::vector<int64_t> flat;
-  for (const auto& [slot, held] : by_slot) flat.insert(flat.end(), {slot, held.records, held.bytes, held.declined});
+  for (const auto& [slot, held] : by_slot)
+    flat.insert(flat.end(), {slot, held.records, held.bytes, held.declined, held.behind_node});
   return flat;
 }
 

@@ -161,6 +161,10 @@ c10::Dict<std::string, std::string> stats_meanings();
 // Release everything; returns how many records.
 int64_t clear();
 
+// Release every record under the slots [first, first + count) (one layer's range: what an
+// uninstall that releases drops); returns how many.
+int64_t release_slots(int64_t first, int64_t count);
+
 // Set peak_bytes to the bytes held now.
 void reset_peak();
 
@@ -171,7 +175,9 @@ int64_t new_slot_base();
 // Set the budget in bytes; a negative value removes it. (What it does: stash_registry.h, Budget.)
 void set_max_bytes(int64_t max_bytes);
 
-// Flattened [slot, records, bytes, declined records] quadruples, one per slot held.
+// Flattened [slot, records, bytes, declined records, records behind a node] rows, one per slot
+// held; the last column counts the records kept behind their first forward's own node
+// (CallSignature::non_reentrant), whose recompute that node's saved tensors expect to replay.
 std::vector<int64_t> held_by_slot();
 
 // The ids of every record held now.

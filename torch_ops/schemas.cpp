@@ -112,4 +112,7 @@ TORCH_LIBRARY(attnstash, m) {
   // Releases one forward's reference of record `id` (its graph was dropped without a
   // backward); whether it was held.
   m.def("stash_release(int id) -> bool", &attnstash::records::release);
+  // Releases every record under slots [first, first + count) (attnstash/install/installer.py:
+  // an uninstall that releases what a layer still holds); how many.
+  m.def("_release_slots(int first, int count) -> int", &attnstash::records::release_slots);
 }

@@ -240,6 +240,8 @@ def in_frame(stash, forward, args, kwargs, phase=None):
     anchor = state.anchor_of(stash, args, kwargs)
     entry = module_call.pending_for(stash, anchor, phase)
     if entry is None and phase == FramePhase.recompute:
+        if stash.calls is None:  # no first forward has kept since the install: this one's ran before it
+            return forward(*args, **kwargs)
         module_call.refuse_an_untied_recompute(stash, anchor)
     frame = open_frame(stash, anchor, phase, token=entry and entry.token)
     out = run_in_frame(frame, forward, args, kwargs)

@@ -5,7 +5,7 @@ import gc
 from .. import budget, ops
 from ..errors import InstallError
 from . import attaching, core, offload as offloading, state, transformers_adapter
-from .found import CHECKPOINT_FUNCTION
+from .found import CHECKPOINT_FUNCTION, MODULE_CALL
 from .layers import find_layers, layer_count
 
 
@@ -109,20 +109,67 @@ def _stashed(model):
     return [(m, core.stash_of(m)) for m in model.modules() if core.stash_of(m) is not None]
 
 
-def uninstall_attention_stash(model):
+def uninstall_attention_stash(model, *, release=False):
     """Undo install_attention_stash for this model (or a deep copy of one): its layers are as
     they were, other models keep their installs, its budget ends (the one it replaced is back),
     and once no model has the stash transformers' layer class is as it was. What the
-    model's forwards still hold is released with their graphs. Raises InstallError if the model
-    has no stash. `model` may be a part of the model: its layers are unstashed, and an install's
-    budget ends with the last of its layers."""
+    model's forwards still hold is released with their graphs. `model` may be a part of the
+    model: its layers are unstashed, and an install's budget ends with the last of its layers.
+
+    Raises InstallError, and changes nothing, if the model has no stash, or while a
+    non-reentrant forward through one of its layers whose checkpoint calls the module awaits
+    its recompute (_awaiting_a_replay). `release`: True to release first everything the
+    model's layers still hold, for forwards whose backward will never run (a step that
+    raised), so that the uninstall goes through; a backward through one of them then fails."""
     with state.lock:
         stashed = _stashed(model)
         if not stashed:
             raise InstallError(f"attnstash: {type(model).__name__} has no attention stash installed.")
+        if release:
+            for _, stash in stashed:
+                ops.release_slots(stash.slot_base, ops.SLOTS_PER_RANGE)
+        waiting = _awaiting_a_replay(stashed)
+        if waiting:
+            gc.collect()  # (a graph that only a reference cycle holds, an exception's traceback, goes first)
+            waiting = _awaiting_a_replay(stashed)
+        if waiting:
+            raise _still_awaited(model, *waiting)
         for module, _ in stashed:
             _detach(module)
         _unpatch_if_unused()
+
+
+def _awaiting_a_replay(stashed):
+    """The MODULE_CALL layers among `stashed` that have a non-reentrant first forward whose graph
+    still lives, and how many records those hold, or None. Such a graph's checkpoint saved what
+    the stash's op saves, and its recompute calls the layer module: once unstashed, the layer
+    would run attention there, and torch.utils.checkpoint would find other tensors saved than in
+    the first forward. (A CHECKPOINT_FUNCTION layer's recompute runs its core.Run, which the
+    checkpoint holds, stashed or not; a reentrant recompute saves nothing its first forward did.
+    Not seen here: a layer compiled on its own inside the checkpoint, whose graph keeps under its
+    class's slots without a node: README.md, Limits.)"""
+    behind = ops.behind_a_node_by_slot()
+    if not behind:
+        return None
+    names, records = [], 0
+    for _, stash in stashed:
+        held = sum(behind.get(slot, 0) for slot in stash.slots()) if stash.reach is MODULE_CALL else 0
+        if held:
+            names.append(stash.name)
+            records += held
+    return (names, records) if names else None
+
+
+def _still_awaited(model, names, records):
+    return InstallError(
+        f"attnstash: cannot uninstall the stash of {type(model).__name__} yet: {', '.join(names)} ran a "
+        f"non-reentrant checkpoint's first forward whose graph still lives ({records} record(s) held; its backward "
+        "has not run, or ran with retain_graph=True). That checkpoint saved what the stash's op saves and will "
+        "recompute by calling the layer, which, unstashed, would run attention instead, so torch.utils.checkpoint "
+        "would find other tensors saved than in the forward. Nothing was uninstalled. Run the backward through those "
+        "forwards, or drop their graphs (del the loss and outputs), then uninstall; for forwards whose backward will "
+        "never run (a step that raised, whose graph PyTorch may keep), uninstall_attention_stash(model, "
+        "release=True).")
 
 
 def layer_stash_stats(model):

@@ -64,6 +64,15 @@ def _handed(entry, layer_input):
         original.shape == layer_input.shape
 
 
+def _may_be_a_copy(entry, layer_input):
+    """Whether a recompute's input that is not this entry's first forward's input may be a copy of
+    it, as hooks that offload hand one: that input is gone (as it is once hooks that copy it
+    hold the copy only), or it is alive and equal to it."""
+    original = entry.layer_input()
+    return original is None or (original.shape == layer_input.shape and original.dtype == layer_input.dtype
+                                and original.device == layer_input.device and torch.equal(original, layer_input))
+
+
 def pending_for(stash, layer_input, phase):
     """The Pending entry whose token a MODULE_CALL layer's forward anchors on in place of its
     input, or None (the input). `phase`: the forward's (ops.frame_phase)."""
@@ -100,6 +109,15 @@ def _for_recompute(stash, layer_input):
     live = _live(stash)
     entry = next((e for e in live if _handed(e, layer_input)), None)
     if entry is None and len(live) == 1:
+        if not _may_be_a_copy(live[0], layer_input):
+            raise ReplayError(
+                f"attnstash: {stash.name}: its recompute was handed an input that is neither the input of the one "
+                "first forward of it that awaits a recompute, which is still alive, nor equal to it. Either this "
+                "recompute repeats a forward that kept nothing (one that ran before the stash was installed on this "
+                "layer, while a later forward kept), or saved-tensor hooks hand the recompute an input that is not "
+                "an exact copy (lossy offloading); attnstash cannot tell which forward it repeats. Run the backward "
+                "of forwards that ran before install_attention_stash before the next forward, or do not stash this "
+                "layer under hooks that change what they save.")
         entry = live[0]
     if entry is None and live:
         raise ReplayError(

@@ -134,7 +134,7 @@ TEST_F(AttnstashOps, OpsAreRegisteredWithCpuAndAutogradKernelsAndCallableFromCpp
                            "attnstash::stash_held_by_slot", "attnstash::stash_record_id", "attnstash::stash_release",
                            "attnstash::stash_kept_backends", "attnstash::_record_move_out",
                            "attnstash::_record_move_in", "attnstash::_record_note_rng",
-                           "attnstash::_record_noted_rng"}) {
+                           "attnstash::_record_noted_rng", "attnstash::_release_slots"}) {
     SCOPED_TRACE(name);
     EXPECT_NO_THROW(Op(name));
   }

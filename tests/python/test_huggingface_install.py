@@ -196,3 +196,29 @@ def test_a_stashed_model_saved_whole_loads_stashed_in_a_new_process(mode, instal
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"layers": [1, 2], "bitwise": True, "calls": [2, 2], "records": 0, "unpatched": True}
+
+
+@pytest.mark.parametrize("when", ["installed before the backward", "uninstalled before the backward"])
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_an_install_or_uninstall_between_a_forward_and_its_backward_trains_bitwise(mode, when, installed):
+    # A transformers layer's recompute runs what its checkpoint was handed: the layer's own
+    # forward for a forward that ran before the install (nothing kept, nothing replayed), the
+    # stash's Run, which the checkpoint holds, for one that ran before the uninstall (replayed).
+    # (Layers whose checkpoint calls the module: test_install_mid_step.)
+    base = tiny_model("llama")
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": mode == "reentrant"})
+    model, ids = clone(base), batch()
+    reference = loss_and_grads(base, ids)
+    if when.startswith("uninstalled"):
+        installed(model)
+    keeps, replays = counters()
+    loss = model(input_ids=ids, labels=ids).loss
+    if when.startswith("installed"):
+        installed(model)
+    else:
+        attnstash.uninstall_attention_stash(model)
+    loss.backward()
+    got = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert_bitwise_equal(got, reference)
+    assert counters() == ((keeps, replays) if when.startswith("installed") else (keeps + 3, replays + 3))
+    assert attnstash.stash_stats()["records"] == 0
