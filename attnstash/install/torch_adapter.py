@@ -52,6 +52,14 @@ def find(model):
     return found or None
 
 
+def wrapped_modules(model):
+    """The ids of the modules checkpoint_wrapper wraps in `model` (a transformers layer that
+    FSDP's activation checkpointing wraps is checkpointed with its own gradient_checkpointing off)."""
+    wrapper = _wrapper_class()
+    return set() if wrapper is None else {id(m._checkpoint_wrapped_module) for m in model.modules()
+                                          if isinstance(m, wrapper)}
+
+
 def named(model, layers, reach):
     """[core.Found] for the layers a user names: a module class (its instances in the model, in
     the order of model.modules()) or an iterable of the model's modules. `reach(module)` says

@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 from ..errors import InstallError
 
 from .. import budget, install, ops
-from ..install import compiled
+from ..install import compiled, torch_adapter
 from ..install.layers import layer_count
 
 logger = logging.getLogger(__name__)
@@ -100,7 +100,8 @@ class AttentionStashCallback(TrainerCallback):
     Raises (from trainer.train(), at train begin; nothing is left installed):
         attnstash.InstallError (a ValueError): the model trains without gradient checkpointing
             (TrainingArguments.activation_checkpointing=False, gradient_checkpointing before
-            transformers 5.23, and the model's layers not checkpointed: set it True, which
+            transformers 5.23, and no layer checkpointed, by itself or by torch's
+            checkpoint_wrapper as FSDP's activation checkpointing wraps it: set it True, which
             SFTConfig does by default, or turn checkpointing on on the model), or some stashed layers are not
             checkpointed; the model cannot take the stash (install_attention_stash's error: not
             attn_implementation="sdpa", no attention layers, a bad num_layers); the model
@@ -315,10 +316,15 @@ class AttentionStashCallback(TrainerCallback):
     @staticmethod
     def _check_checkpointing(args, model, layers):
         found = install.find_layers(model)
-        unchecked = [i for i in layers if not getattr(found[i].module, "gradient_checkpointing", False)]
+        wrapped = torch_adapter.wrapped_modules(model)  # (FSDP's activation checkpointing)
+
+        def checkpointed(module):
+            return getattr(module, "gradient_checkpointing", False) or id(module) in wrapped
+
+        unchecked = [i for i in layers if not checkpointed(found[i].module)]
         if not unchecked:
             return
-        if len(unchecked) == len(layers) and not any(getattr(f.module, "gradient_checkpointing", False) for f in found):
+        if len(unchecked) == len(layers) and not any(checkpointed(f.module) for f in found):
             field, enable = _checkpointing_names(args, model)
             raise InstallError(
                 "attnstash: AttentionStashCallback needs gradient checkpointing, and the trainer trains "

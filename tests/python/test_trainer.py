@@ -200,6 +200,35 @@ def test_callback_under_mixed_precision(tmp_path, reentrant):
     assert_reported(run, callback)
 
 
+def fsdp_style(reentrant):
+    """The tiny Llama with each decoder layer wrapped by torch's checkpoint_wrapper, as FSDP's
+    activation checkpointing (accelerate's fsdp_config) wraps them: the layers' own
+    gradient_checkpointing stays off, and so does the Trainer's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                              apply_activation_checkpointing,
+                                                                              checkpoint_wrapper)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    model = tiny_model("llama", seed=0)
+    model.gradient_checkpointing_disable()
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                                                   checkpoint_impl=impl),
+                                   check_fn=lambda m: isinstance(m, GradientCheckpointingLayer))
+    return model
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_callback_on_layers_checkpointed_by_checkpoint_wrapper(tmp_path, reentrant):
+    # Checkpointed, though no layer's gradient_checkpointing is on: the callback installs, and
+    # the run trains like the same run without it.
+    plain = trainer_run(tmp_path / "plain", model=fsdp_style(reentrant), gradient_checkpointing=False)
+    callback = AttentionStashCallback()
+    run = trainer_run(tmp_path / "stash", model=fsdp_style(reentrant), callback=callback,
+                      gradient_checkpointing=False)
+    assert_same_training((plain.losses, plain.weights), run)
+    assert_reported(run, callback)
+
+
 def test_callback_num_layers_and_budget(tmp_path):
     """max_bytes=0 declines every keep (the recomputes run attention: same training); the
     budget is the callback's for the run only, and num_layers picks the last layers."""
