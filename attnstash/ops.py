@@ -215,20 +215,10 @@ class Held(NamedTuple):
     declined: int
 
 
-_HELD_ROW = 5  # stash_held_by_slot's row: slot, records, bytes, declined, behind a node (records.h)
-
-
 def held_by_slot() -> dict:
     """{slot: Held(records, bytes, declined)} for every slot that holds something."""
     flat = _ops.stash_held_by_slot()
-    return {flat[i]: Held(*flat[i + 1:i + 4]) for i in range(0, len(flat), _HELD_ROW)}
-
-
-def behind_a_node_by_slot() -> dict:
-    """{slot: records} of the records kept behind their non-reentrant first forward's own node
-    (whose saved tensors expect the recompute to replay them), for every slot that holds any."""
-    flat = _ops.stash_held_by_slot()
-    return {flat[i]: flat[i + 4] for i in range(0, len(flat), _HELD_ROW) if flat[i + 4]}
+    return {flat[i]: Held(*flat[i + 1:i + 4]) for i in range(0, len(flat), 4)}
 
 
 def release_slots(first: int, count: int) -> int:

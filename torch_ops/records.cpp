@@ -266,7 +266,7 @@ void set_max_bytes(int64_t max_bytes) {
 
 std::vector<int64_t> held_by_slot() {
   struct Held {
-    int64_t records = 0, bytes = 0, declined = 0, behind_node = 0;
+    int64_t records = 0, bytes = 0, declined = 0;
   };
   std::map<int64_t, Held> by_slot;
   visit_records([&](const stash_record& r) {
@@ -274,11 +274,9 @@ std::vector<int64_t> held_by_slot() {
     held.records += 1;
     held.bytes += static_cast<int64_t>(r.entry->bytes);
     held.declined += r.declined ? 1 : 0;
-    held.behind_node += payload_of(r).call.non_reentrant ? 1 : 0;
   });
   std::vector<int64_t> flat;
-  for (const auto& [slot, held] : by_slot)
-    flat.insert(flat.end(), {slot, held.records, held.bytes, held.declined, held.behind_node});
+  for (const auto& [slot, held] : by_slot) flat.insert(flat.end(), {slot, held.records, held.bytes, held.declined});
   return flat;
 }
 

@@ -175,9 +175,7 @@ int64_t new_slot_base();
 // Set the budget in bytes; a negative value removes it. (What it does: stash_registry.h, Budget.)
 void set_max_bytes(int64_t max_bytes);
 
-// Flattened [slot, records, bytes, declined records, records behind a node] rows, one per slot
-// held; the last column counts the records kept behind their first forward's own node
-// (CallSignature::non_reentrant), whose recompute that node's saved tensors expect to replay.
+// Flattened [slot, records, bytes, declined records] quadruples, one per slot held.
 std::vector<int64_t> held_by_slot();
 
 // The ids of every record held now.

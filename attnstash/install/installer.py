@@ -4,8 +4,8 @@ import gc
 
 from .. import budget, ops
 from ..errors import InstallError
-from . import attaching, core, offload as offloading, state, transformers_adapter
-from .found import CHECKPOINT_FUNCTION, MODULE_CALL
+from . import attaching, core, module_call, offload as offloading, state, transformers_adapter
+from .found import CHECKPOINT_FUNCTION
 from .layers import find_layers, layer_count
 
 
@@ -140,36 +140,33 @@ def uninstall_attention_stash(model, *, release=False):
 
 
 def _awaiting_a_replay(stashed):
-    """The MODULE_CALL layers among `stashed` that have a non-reentrant first forward whose graph
-    still lives, and how many records those hold, or None. Such a graph's checkpoint saved what
-    the stash's op saves, and its recompute calls the layer module: once unstashed, the layer
-    would run attention there, and torch.utils.checkpoint would find other tensors saved than in
-    the first forward. (A CHECKPOINT_FUNCTION layer's recompute runs its core.Run, which the
-    checkpoint holds, stashed or not; a reentrant recompute saves nothing its first forward did.
-    Not seen here: a layer compiled on its own inside the checkpoint, whose graph keeps under its
-    class's slots without a node: README.md, Limits.)"""
-    behind = ops.behind_a_node_by_slot()
-    if not behind:
-        return None
-    names, records = [], 0
+    """The layers among `stashed` with non-reentrant first forwards, each in a frame of its own
+    (the checkpoint calls the layer module: module_call.awaiting_a_replay), whose graph still
+    lives, and how many such forwards, or None. Once unstashed, the layer would run attention in
+    their recompute, and torch.utils.checkpoint would find other tensors saved than in their
+    first forward. (A layer reached through its checkpoint function recomputes in its core.Run,
+    which the checkpoint holds, stashed or not; a reentrant recompute saves nothing its first
+    forward did. Not seen here: a layer compiled on its own inside the checkpoint, whose graph
+    keeps under its class's slots: README.md, Limits.)"""
+    names, forwards = [], 0
     for _, stash in stashed:
-        held = sum(behind.get(slot, 0) for slot in stash.slots()) if stash.reach is MODULE_CALL else 0
-        if held:
+        waiting = module_call.awaiting_a_replay(stash)
+        if waiting:
             names.append(stash.name)
-            records += held
-    return (names, records) if names else None
+            forwards += waiting
+    return (names, forwards) if names else None
 
 
-def _still_awaited(model, names, records):
+def _still_awaited(model, names, forwards):
     return InstallError(
-        f"attnstash: cannot uninstall the stash of {type(model).__name__} yet: {', '.join(names)} ran a "
-        f"non-reentrant checkpoint's first forward whose graph still lives ({records} record(s) held; its backward "
-        "has not run, or ran with retain_graph=True). That checkpoint saved what the stash's op saves and will "
-        "recompute by calling the layer, which, unstashed, would run attention instead, so torch.utils.checkpoint "
-        "would find other tensors saved than in the forward. Nothing was uninstalled. Run the backward through those "
-        "forwards, or drop their graphs (del the loss and outputs), then uninstall; for forwards whose backward will "
-        "never run (a step that raised, whose graph PyTorch may keep), uninstall_attention_stash(model, "
-        "release=True).")
+        f"attnstash: cannot uninstall the stash of {type(model).__name__} yet: {', '.join(names)} ran "
+        f"{forwards} first forward(s) in a non-reentrant checkpoint that calls the layer module, whose graph still "
+        "lives (its backward has not run, or ran with retain_graph=True). That checkpoint saved what the stash's op "
+        "saves and will recompute by calling the layer, which, unstashed, would run attention instead, so "
+        "torch.utils.checkpoint would find other tensors saved than in the forward. Nothing was uninstalled. Run "
+        "the backward through those forwards, or drop their graphs (del the loss and outputs), then uninstall; for "
+        "forwards whose backward will never run (a step that raised, whose graph PyTorch may keep), "
+        "uninstall_attention_stash(model, release=True).")
 
 
 def layer_stash_stats(model):

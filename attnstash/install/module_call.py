@@ -33,12 +33,14 @@ def new_token():
 
 
 class Pending:
-    """One first forward awaiting its recompute: its token, its layer input (weakly), and what
-    offload.py moved off the device after it (or None)."""
-    __slots__ = ("token", "layer_input", "moved", "__weakref__")
+    """One first forward awaiting its recompute: its token, its layer input (weakly), what
+    offload.py moved off the device after it (or None), and whether it ran in a non-reentrant
+    checkpoint (whose saved tensors then expect its recompute to replay: awaiting_a_replay)."""
+    __slots__ = ("token", "layer_input", "moved", "non_reentrant", "__weakref__")
 
-    def __init__(self, token, layer_input):
+    def __init__(self, token, layer_input, non_reentrant):
         self.token, self.layer_input, self.moved = token, weakref.ref(layer_input), None
+        self.non_reentrant = non_reentrant
 
 
 def _entry(held):
@@ -91,13 +93,20 @@ def _for_first_forward(stash, layer_input, grad):
     if holder is None and not grad:
         return None
     _live(stash)
-    entry = Pending(new_token(), layer_input)
+    entry = Pending(new_token(), layer_input, grad)
     if holder is not None:  # the graph holds it; the layer only looks it up
         holder.metadata.setdefault(_HELD, []).append(entry)
         stash.pending.append(weakref.ref(entry))
     else:  # a non-reentrant checkpoint: its own node owns the record, which _live follows
         stash.pending.append(entry)
     return entry
+
+
+def awaiting_a_replay(stash):
+    """How many of this layer's non-reentrant first forwards, each in a frame of its own (its
+    checkpoint calls the module), await their recompute with their records held. Their
+    checkpoint saved what the stash's op saves, and recomputes by calling the layer module."""
+    return sum(1 for entry in _live(stash) if entry.non_reentrant) if stash.pending else 0
 
 
 def _for_recompute(stash, layer_input):

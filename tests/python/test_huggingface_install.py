@@ -3,6 +3,7 @@ restores the original behaviour, an install is all or nothing, num_layers takes 
 operator.index takes, two models installed at once do not interfere, and a deep copy carries an
 install of its own."""
 import copy
+import gc
 
 import numpy as np
 import pytest
@@ -222,3 +223,39 @@ def test_an_install_or_uninstall_between_a_forward_and_its_backward_trains_bitwi
     assert_bitwise_equal(got, reference)
     assert counters() == ((keeps, replays) if when.startswith("installed") else (keeps + 3, replays + 3))
     assert attnstash.stash_stats()["records"] == 0
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_an_uninstall_between_a_forward_and_its_backward_of_layers_that_checkpoint_wrapper_wraps(mode, installed):
+    # transformers layers wrapped by torch's checkpoint_wrapper (FSDP's activation checkpointing),
+    # their own checkpointing off: the checkpoint calls the layer module, as in
+    # test_install_mid_step: refused under non-reentrant checkpointing until the backward has run.
+    import functools
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                              apply_activation_checkpointing,
+                                                                              checkpoint_wrapper)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    base = tiny_model("llama")
+    base.gradient_checkpointing_disable()
+    impl = CheckpointImpl.REENTRANT if mode == "reentrant" else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(base, check_fn=lambda m: isinstance(m, GradientCheckpointingLayer),
+                                   checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl))
+    model, ids = clone(base), batch()
+    reference = loss_and_grads(base, ids)
+    installed(model)
+    keeps, replays = counters()
+    loss = model(input_ids=ids, labels=ids).loss
+    if mode == "non-reentrant":
+        with pytest.raises(attnstash.InstallError, match=r"ran 3 first forward\(s\) in a non-reentrant checkpoint"):
+            attnstash.uninstall_attention_stash(model)
+        loss.backward()
+        assert counters() == (keeps + 3, replays + 3)
+        attnstash.uninstall_attention_stash(model)
+    else:
+        attnstash.uninstall_attention_stash(model)
+        loss.backward()  # its recompute runs attention
+    got = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert_bitwise_equal(got, reference)
+    del loss
+    gc.collect()
+    assert attnstash.stash_stats()["records"] == 0 and not attnstash.layer_stash_stats(model)
