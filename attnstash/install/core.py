@@ -213,6 +213,8 @@ def _eager_forward(layer, forward, args, kwargs):
             # first forward runs without grad, where this cannot be told from a no-grad forward;
             # its recompute, which runs in backward with grad and without a Run, can.
             if phase == FramePhase.recompute:
+                if _ran_before_the_install(stash):
+                    return forward(*args, **kwargs)
                 raise _unreached(stash, layer, "its recompute ran")
             if phase != FramePhase.non_reentrant_first and phase != FramePhase.outside_checkpoint:  # grad off
                 return forward(*args, **kwargs)
@@ -240,7 +242,7 @@ def in_frame(stash, forward, args, kwargs, phase=None):
     anchor = state.anchor_of(stash, args, kwargs)
     entry = module_call.pending_for(stash, anchor, phase)
     if entry is None and phase == FramePhase.recompute:
-        if stash.calls is None:  # no first forward has kept since the install: this one's ran before it
+        if _ran_before_the_install(stash):
             return forward(*args, **kwargs)
         module_call.refuse_an_untied_recompute(stash, anchor)
     frame = open_frame(stash, anchor, phase, token=entry and entry.token)
@@ -248,6 +250,13 @@ def in_frame(stash, forward, args, kwargs, phase=None):
     if frame.moved is not None:
         entry.moved = frame.moved  # (a first forward: its entry holds what offload.py moved)
     return out
+
+
+def _ran_before_the_install(stash):
+    """Whether a recompute that no Run or pending first forward ties to one of this layer's
+    first forwards repeats a forward that ran before the install: no first forward of the layer
+    has kept since (stash.calls). It then runs as without the stash, as that forward did."""
+    return stash.calls is None
 
 
 # Where a torch.compile'd caller runs a stashed layer eagerly (a graph break, a skipped frame),
