@@ -272,14 +272,16 @@ class AttentionStashCallback(TrainerCallback):
     def uninstall(self):
         """Uninstall the stash this callback installed, if it still is (its budget ends with it).
         Returns whether there was one. on_train_end calls it; call it yourself after a train()
-        that raised, to remove the stash at once."""
+        that raised, to remove the stash at once. What the stash still holds for the model is
+        released first: the last step of a train() that raised never backs up (and a layer that
+        checkpoint_wrapper wraps would hold up the uninstall: uninstall_attention_stash)."""
         model = self._model() if self._model is not None else None
         self._model, self.layers = None, None
         if model is not None:
             if _installed_by.get(model) is self:
                 del _installed_by[model]
             if install.layer_stash_stats(model):
-                install.uninstall_attention_stash(model)
+                install.uninstall_attention_stash(model, release=True)
         return model is not None
 
     def _run_first(self):

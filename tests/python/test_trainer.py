@@ -229,6 +229,23 @@ def test_callback_on_layers_checkpointed_by_checkpoint_wrapper(tmp_path, reentra
     assert_reported(run, callback)
 
 
+def test_callback_uninstall_after_a_step_that_raised_releases_and_uninstalls():
+    # A forward whose backward never comes (the step raised), through layers whose non-reentrant
+    # checkpoint calls the module: its graph would hold up a plain uninstall; the callback's
+    # releases what it holds and uninstalls.
+    model = fsdp_style(reentrant=False)
+    callback = AttentionStashCallback()
+    with fresh_accelerator_state():
+        args = transformers.TrainingArguments(output_dir="unused", use_cpu=True, report_to="none")
+    callback.on_train_begin(args, transformers.TrainerState(), transformers.TrainerControl(), model=model)
+    ids = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+    loss = model(input_ids=ids, labels=ids).loss
+    assert attnstash.stash_stats()["records"] == LAYERS
+    assert callback.uninstall() is True
+    assert_uninstalled(model, callback)
+    del loss
+
+
 def test_callback_num_layers_and_budget(tmp_path):
     """max_bytes=0 declines every keep (the recomputes run attention: same training); the
     budget is the callback's for the run only, and num_layers picks the last layers."""
