@@ -50,7 +50,7 @@ class LayerStash:
     reached, its class's forward, its slots, and the attention calls of its last first forward that kept (None
     before one; attention_layers prints it)."""
     __slots__ = ("index", "name", "reach", "slot_base", "calls", "forward", "kind", "pending", "install",
-                 "rng_noted", "checkpoint_call", "__weakref__")
+                 "rng_noted", "checkpoint_call", "unseen", "__weakref__")
 
     def __init__(self, index, name, reach, install, forward=None, kind=""):
         self.index, self.name, self.reach, self.calls, self.kind = index, name, reach, None, kind  # kind: class name
@@ -60,6 +60,7 @@ class LayerStash:
         self.rng_noted = False  # a first forward noted a random state for its recompute to check (random_state.py)
         self.forward = forward  # the layer class's forward function (what torch.compile traces: compiled.py)
         self.checkpoint_call = None  # its CheckpointCall, for the checkpoint function it last read (stand_in)
+        self.unseen = False  # a training forward with grad off ran outside its Run (_eager_forward)
         self.slot_base = ops.new_slot_base()
         state.live.add(self)
 
@@ -215,8 +216,9 @@ def _eager_forward(layer, forward, args, kwargs):
             if phase == FramePhase.recompute:
                 if _ran_before_the_install(stash):
                     return forward(*args, **kwargs)
-                raise _unreached(stash, layer, "its recompute ran")
+                raise _unreached(stash, layer, RECOMPUTE_RAN)
             if phase != FramePhase.non_reentrant_first and phase != FramePhase.outside_checkpoint:  # grad off
+                stash.unseen = True
                 return forward(*args, **kwargs)
             reached = state.thread.reached
             before = reached.get(stash.slot_base, 0)
@@ -254,9 +256,11 @@ def in_frame(stash, forward, args, kwargs, phase=None):
 
 def _ran_before_the_install(stash):
     """Whether a recompute that no Run or pending first forward ties to one of this layer's
-    first forwards repeats a forward that ran before the install: no first forward of the layer
-    has kept since (stash.calls). It then runs as without the stash, as that forward did."""
-    return stash.calls is None
+    first forwards repeats a forward that ran before the install: no forward of the layer has
+    kept since (stash.calls), nor run with grad off outside its Run (stash.unseen: a reentrant
+    first forward that did not reach its checkpoint function looks so). It then runs as without
+    the stash, as that forward did."""
+    return stash.calls is None and not stash.unseen
 
 
 # Where a torch.compile'd caller runs a stashed layer eagerly (a graph break, a skipped frame),
@@ -273,7 +277,11 @@ def _unreached(stash, layer, what):
         f"function ({type(layer).__name__}._gradient_checkpointing_func), which is where attnstash reaches the "
         "checkpointed forward; nothing was kept. The library that checkpoints it "
         f"({_library_of(layer)}) checkpoints its layers another way than the releases attnstash supports "
-        "(README.md, Compatibility).")
+        "(README.md, Compatibility)" + (", or this recompute's first forward ran before install_attention_stash and "
+        "a forward without grad ran since (install between steps)." if what == RECOMPUTE_RAN else "."))
+
+
+RECOMPUTE_RAN = "its recompute ran"
 
 
 def _library_of(layer):
