@@ -216,7 +216,7 @@ def _eager_forward(layer, forward, args, kwargs):
             if phase == FramePhase.recompute:
                 if _ran_before_the_install(stash):
                     return forward(*args, **kwargs)
-                raise _unreached(stash, layer, RECOMPUTE_RAN)
+                raise _unreached(stash, layer, recompute=True)
             if phase != FramePhase.non_reentrant_first and phase != FramePhase.outside_checkpoint:  # grad off
                 stash.unseen = True
                 return forward(*args, **kwargs)
@@ -224,7 +224,7 @@ def _eager_forward(layer, forward, args, kwargs):
             before = reached.get(stash.slot_base, 0)
             out = forward(*args, **kwargs)
             if reached.get(stash.slot_base, 0) == before:
-                raise _unreached(stash, layer, "its training forward ran")
+                raise _unreached(stash, layer, recompute=False)
             return out
         if phase == FramePhase.outside_checkpoint:
             raise compiled.checkpointing_off(stash)
@@ -269,19 +269,19 @@ def _ran_before_the_install(stash):
 _eager_forward_undynamoed = torch.compiler.disable(_eager_forward)
 
 
-def _unreached(stash, layer, what):
+def _unreached(stash, layer, recompute):
     """A forward of a layer that its own checkpoint function checkpoints, seen from outside that
-    function (no Run of it is active), that did not reach it (_eager_forward)."""
+    function (no Run of it is active), that did not reach it (_eager_forward): its recompute, or
+    its training forward."""
+    what = "its recompute ran" if recompute else "its training forward ran"
+    before = (", or this recompute's first forward ran before install_attention_stash and a forward without grad "
+              "ran since (install between steps)") if recompute else ""
     return CheckpointingError(
         f"attnstash: {stash.name}: {what} with gradient_checkpointing on, but without calling its checkpoint "
         f"function ({type(layer).__name__}._gradient_checkpointing_func), which is where attnstash reaches the "
         "checkpointed forward; nothing was kept. The library that checkpoints it "
         f"({_library_of(layer)}) checkpoints its layers another way than the releases attnstash supports "
-        "(README.md, Compatibility)" + (", or this recompute's first forward ran before install_attention_stash and "
-        "a forward without grad ran since (install between steps)." if what == RECOMPUTE_RAN else "."))
-
-
-RECOMPUTE_RAN = "its recompute ran"
+        f"(README.md, Compatibility){before}.")
 
 
 def _library_of(layer):
