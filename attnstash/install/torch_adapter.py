@@ -55,9 +55,7 @@ def find(model):
 def wrapped_modules(model):
     """The ids of the modules checkpoint_wrapper wraps in `model` (a transformers layer that
     FSDP's activation checkpointing wraps is checkpointed with its own gradient_checkpointing off)."""
-    wrapper = _wrapper_class()
-    return set() if wrapper is None else {id(m._checkpoint_wrapped_module) for m in model.modules()
-                                          if isinstance(m, wrapper)}
+    return {id(f.module) for f in find(model) or ()}
 
 
 def named(model, layers, reach):
