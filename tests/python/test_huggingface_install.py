@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import attnstash
-from tiny_models import (assert_bitwise_equal, batch, clone, counters, loss_and_grads, nothing_installed,
-                         tiny_model)
+from tiny_models import (assert_bitwise_equal, batch, checkpoint_wrapped, clone, counters, loss_and_grads,
+                         nothing_installed, tiny_model)
 
 
 def module_state(model):
@@ -230,16 +230,7 @@ def test_an_uninstall_between_a_forward_and_its_backward_of_layers_that_checkpoi
     # transformers layers wrapped by torch's checkpoint_wrapper (FSDP's activation checkpointing),
     # their own checkpointing off: the checkpoint calls the layer module, as in
     # test_install_mid_step: refused under non-reentrant checkpointing until the backward has run.
-    import functools
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
-                                                                              apply_activation_checkpointing,
-                                                                              checkpoint_wrapper)
-    from transformers.modeling_layers import GradientCheckpointingLayer
-    base = tiny_model("llama")
-    base.gradient_checkpointing_disable()
-    impl = CheckpointImpl.REENTRANT if mode == "reentrant" else CheckpointImpl.NO_REENTRANT
-    apply_activation_checkpointing(base, check_fn=lambda m: isinstance(m, GradientCheckpointingLayer),
-                                   checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl))
+    base = checkpoint_wrapped(tiny_model("llama"), mode == "reentrant")
     model, ids = clone(base), batch()
     reference = loss_and_grads(base, ids)
     installed(model)

@@ -14,7 +14,7 @@ import transformers
 
 import attnstash
 from attnstash.integrations.trainer import FIGURES, PREFIX, AttentionStashCallback
-from tiny_models import VOCAB, checkpointing_field, nothing_installed, tiny_model
+from tiny_models import VOCAB, checkpoint_wrapped, checkpointing_field, nothing_installed, tiny_model
 
 peft = pytest.importorskip("peft")
 
@@ -200,30 +200,13 @@ def test_callback_under_mixed_precision(tmp_path, reentrant):
     assert_reported(run, callback)
 
 
-def fsdp_style(reentrant):
-    """The tiny Llama with each decoder layer wrapped by torch's checkpoint_wrapper, as FSDP's
-    activation checkpointing (accelerate's fsdp_config) wraps them: the layers' own
-    gradient_checkpointing stays off, and so does the Trainer's."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
-                                                                              apply_activation_checkpointing,
-                                                                              checkpoint_wrapper)
-    from transformers.modeling_layers import GradientCheckpointingLayer
-    model = tiny_model("llama", seed=0)
-    model.gradient_checkpointing_disable()
-    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
-                                                                                   checkpoint_impl=impl),
-                                   check_fn=lambda m: isinstance(m, GradientCheckpointingLayer))
-    return model
-
-
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_callback_on_layers_checkpointed_by_checkpoint_wrapper(tmp_path, reentrant):
     # Checkpointed, though no layer's gradient_checkpointing is on: the callback installs, and
     # the run trains like the same run without it.
-    plain = trainer_run(tmp_path / "plain", model=fsdp_style(reentrant), gradient_checkpointing=False)
+    plain = trainer_run(tmp_path / "plain", model=checkpoint_wrapped(tiny_model("llama", seed=0), reentrant), gradient_checkpointing=False)
     callback = AttentionStashCallback()
-    run = trainer_run(tmp_path / "stash", model=fsdp_style(reentrant), callback=callback,
+    run = trainer_run(tmp_path / "stash", model=checkpoint_wrapped(tiny_model("llama", seed=0), reentrant), callback=callback,
                       gradient_checkpointing=False)
     assert_same_training((plain.losses, plain.weights), run)
     assert_reported(run, callback)
@@ -233,7 +216,7 @@ def test_callback_uninstall_after_a_step_that_raised_releases_and_uninstalls():
     # A forward whose backward never comes (the step raised), through layers whose non-reentrant
     # checkpoint calls the module: its graph would hold up a plain uninstall; the callback's
     # releases what it holds and uninstalls.
-    model = fsdp_style(reentrant=False)
+    model = checkpoint_wrapped(tiny_model("llama", seed=0), reentrant=False)
     callback = AttentionStashCallback()
     with fresh_accelerator_state():
         args = transformers.TrainingArguments(output_dir="unused", use_cpu=True, report_to="none")

@@ -38,6 +38,23 @@ def tiny_model(arch="llama", layers=3, seed=0, attn="sdpa", **overrides):
     return model
 
 
+def checkpoint_wrapped(model, reentrant):
+    """`model` with each decoder layer wrapped by torch's checkpoint_wrapper, as FSDP's activation
+    checkpointing (accelerate's fsdp_config) wraps them: the layers' own gradient_checkpointing
+    off (and the Trainer's, in a Trainer run)."""
+    import functools
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (CheckpointImpl,
+                                                                              apply_activation_checkpointing,
+                                                                              checkpoint_wrapper)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    model.gradient_checkpointing_disable()
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper,
+                                                                                   checkpoint_impl=impl),
+                                   check_fn=lambda m: isinstance(m, GradientCheckpointingLayer))
+    return model
+
+
 def checkpointing_field():
     """The TrainingArguments field that turns checkpointing on in the installed transformers
     (activation_checkpointing from 5.23, gradient_checkpointing before)."""
