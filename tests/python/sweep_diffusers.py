@@ -6,11 +6,13 @@ built tiny (tiny_diffusers), trained with and without the stash on every block i
 For each class and checkpointing mode (non-reentrant, diffusers' default; reentrant): the run
 without the stash is reproducible bitwise (else "baseline not deterministic"); with the stash,
 loss and every gradient are bitwise the same, the keeps are the attention calls of the stashed
-blocks that a backward can reach, the replays those their recomputes make, and nothing is held
-after. Outcomes: "supported" (both modes), "supported (non-reentrant; ...)" where the model
-itself cannot train under reentrant checkpointing, "refused at install: ...", "refused at
-run: ..." (an attnstash error), "not run: ..." (why), "baseline not deterministic (...)",
-"FAILED: ...". Writes sweep.json and sweep.md under --out.
+blocks that a backward can reach, the replays those their recomputes make, nothing is held
+after, and no attention call runs again in the backward outside the stashed blocks (else a
+checkpointed block the installer did not find: FAILED). Outcomes: "supported" (both modes),
+"supported (non-reentrant; ...)" where the model itself cannot train under reentrant
+checkpointing, "refused at install: ...", "refused at run: ..." (an attnstash error), "not
+run: ..." (why), "baseline not deterministic (...)", "FAILED: ...". Writes sweep.json and
+sweep.md under --out.
 
 check(name) runs one class in this process (the pytest cases use it).
 """
@@ -44,18 +46,25 @@ def _model(name, mode):
 
 def probe(model, inputs, layers):
     """Attention calls of one step without the stash: (in the stashed layers' forwards, where a
-    backward can reach them; in their recomputes). F.scaled_dot_product_attention is counted at
-    its attribute (the recompute runs in backward, where function modes are not active)."""
+    backward can reach them; in their recomputes; {name of a module the backward recomputes:
+    attention calls in it outside every stashed layer}: checkpointed attention the installer did
+    not find). F.scaled_dot_product_attention is counted at its attribute (the recompute runs in
+    backward, where function modes are not active)."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-    stack, counts = [], [0, 0]
+    stack, counts, missed = [], [0, 0], {}
+    names = {id(m): name for name, m in model.named_modules()}
     original = torch.nn.functional.scaled_dot_product_attention
 
     def counting(query, key, value, *args, **kwargs):
+        recompute = torch._C._current_graph_task_id() != -1
         if any(id(m) in layers for m in stack):
-            if torch._C._current_graph_task_id() != -1:
+            if recompute:
                 counts[1] += 1
             elif torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
                 counts[0] += 1
+        elif recompute and stack:
+            where = names.get(id(stack[0]), type(stack[0]).__name__)
+            missed[where] = missed.get(where, 0) + 1
         return original(query, key, value, *args, **kwargs)
 
     def enter(module, args):
@@ -73,7 +82,7 @@ def probe(model, inputs, layers):
         torch.nn.functional.scaled_dot_product_attention = original
         for h in handles:
             h.remove()
-    return tuple(counts)
+    return counts[0], counts[1], missed
 
 
 def _combo(name, mode, expected):
@@ -119,7 +128,7 @@ def check(name):
         base, inputs = _model(name, "non-reentrant")
         try:
             stashed = {id(m) for _, _, m in attnstash.attention_layers(base)}
-            expected = probe(base, inputs, stashed)
+            *expected, row["missed"] = probe(base, inputs, stashed)
         except (attnstash.InstallError, RuntimeError):
             expected = None  # refused, or the model does not train: the combos say which
         for mode in MODES:
@@ -128,13 +137,18 @@ def check(name):
         row["outcome"] = f"FAILED: {_short(e)}"
     finally:
         attnstash.stash_clear()
-    row["outcome"] = row["outcome"] or outcome(row["combos"])
+    row["outcome"] = row["outcome"] or outcome(row["combos"], row.get("missed"))
     row["seconds"] = round(time.perf_counter() - start, 2)
     return row
 
 
-def outcome(combos):
+def outcome(combos, missed=None):
+    """The row's outcome from its combos, and the probe's `missed` (attention recomputed outside
+    the stashed blocks, by the module recomputed)."""
     nr, r = combos["non-reentrant"], combos["reentrant"]
+    if missed:
+        return (f"FAILED: the backward recomputes {sum(missed.values())} attention calls outside the blocks the "
+                f"installer found, in {', '.join(sorted(missed))}: checkpointed blocks it did not find")
     for combo in (nr, r):
         if combo["status"] in ("different", "wrong counters"):
             return f"FAILED: {combo['status']}: {json.dumps(combo)}"

@@ -50,6 +50,18 @@ def test_every_diffusers_model_class(name):
             assert combo["held"] == 0
 
 
+def test_the_sweep_fails_a_class_whose_checkpointed_block_the_installer_misses(monkeypatch):
+    # Its recompute would run attention again unseen. Here the reader is made to miss one
+    # collection of Flux's checkpointed blocks.
+    from attnstash.install import diffusers_adapter
+    read = diffusers_adapter.checkpointed_paths
+    monkeypatch.setattr(diffusers_adapter, "checkpointed_paths",
+                        lambda cls: frozenset(p for p in read(cls) if "single_transformer_blocks" not in p))
+    row = sweep_diffusers.check("FluxTransformer2DModel")
+    assert row["outcome"].startswith("FAILED: the backward recomputes 1 attention calls outside the blocks"), row
+    assert row["missed"] == {"single_transformer_blocks.0": 1}, row
+
+
 def test_blocks_are_found_in_model_order_and_num_layers_counts_from_the_last():
     model, inputs = tiny.build("FluxTransformer2DModel")
     model.enable_gradient_checkpointing()

@@ -142,6 +142,23 @@ def test_fast_subset(arch, one_thread):
         assert probe["left-padded"]["attention_calls"] > probe["unpadded"]["attention_calls"] > len(names), probe
 
 
+def test_the_probe_names_checkpointed_attention_outside_the_layers_found(monkeypatch, one_thread):
+    """A checkpointed layer the installer does not find would run its attention again in the
+    recompute unseen: the probe names where (and check_arch fails the type). Here the installer
+    is made to miss the last decoder layer."""
+    import copy
+
+    import attnstash
+    from sweep import inputs, run
+    row = run.new_row("llama")
+    head, base = run._build("llama", row)
+    batch = inputs.batch(base, head, "unpadded")
+    assert run.probe(copy.deepcopy(base), batch)[3] == {}
+    found = attnstash.attention_layers
+    monkeypatch.setattr(attnstash, "attention_layers", lambda model: found(model)[:-1])
+    assert run.probe(copy.deepcopy(base), batch)[3] == {"model.layers.3.self_attn": 1}
+
+
 def test_hybrid_layers_have_at_least_two_attention_layers():
     """The tiny hybrids keep their non-attention layers and have two attention layers."""
     archs = [a for a in ("granitemoehybrid", "qwen3_next") if a in sweep.model_types()]

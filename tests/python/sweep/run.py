@@ -8,7 +8,10 @@ an attention_mask):
   2. with the stash on every attention layer, loss and every gradient (of the parameters and
      of the floating inputs) are bitwise the baseline's, keeps and replays each grow by the
      number of F.scaled_dot_product_attention calls in stashed layers that the backward
-     reaches (probe), and nothing is held after (also after a refusal).
+     reaches (probe), and nothing is held after (also after a refusal);
+  3. no attention call runs again in the backward outside the layers the installer finds
+     (probe, "missed"): a checkpointed layer it does not find fails the type, as its recompute
+     would run attention again unseen.
 """
 import copy
 import gc
@@ -122,19 +125,25 @@ class _CountSdpa(torch.overrides.TorchFunctionMode):
 
 
 def probe(model, batch):
-    """One training forward without the stash, under non-reentrant checkpointing (whose first
+    """One training step without the stash, under non-reentrant checkpointing (whose first
     forward runs with grad on where a backward can reach it): (F.scaled_dot_product_attention
     calls, {attention layer index: calls in it}, {attention layer index: calls in the autograd
-    graph: grad on and a query, key or value that requires grad}) for the layers attnstash
-    finds."""
+    graph: grad on and a query, key or value that requires grad}, {name of a module the backward
+    recomputes: forward attention calls in it outside every layer attnstash finds}: checkpointed
+    attention the installer did not find) for the layers attnstash finds. The forward's calls
+    are seen by a function mode, which the backward does not run under; a call counts as
+    recomputed where the innermost module it ran in runs again in the backward."""
     from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
     set_mode(model, "non-reentrant")
     index_of = {id(module): index for index, _, module in attnstash.attention_layers(model)}
-    stack, ran, grad = [], {}, {}
+    names = {id(m): name for name, m in model.named_modules()}
+    stack, ran, grad, outside, recomputed = [], {}, {}, {}, {}
 
     def on_sdpa(args, kwargs):
         layer = next((index_of[id(m)] for m in reversed(stack) if id(m) in index_of), None)
         if layer is None:
+            if stack:  # by the innermost module it ran in
+                outside[id(stack[-1])] = outside.get(id(stack[-1]), 0) + 1
             return
         ran[layer] = ran.get(layer, 0) + 1
         tensors = [t for t in list(args[:3]) + [kwargs.get(k) for k in ("query", "key", "value")]
@@ -144,6 +153,8 @@ def probe(model, batch):
 
     def enter(module, args):
         stack.append(module)
+        if torch._C._current_graph_task_id() != -1:
+            recomputed[id(module)] = True
 
     def leave(module, args, output):
         if stack and stack[-1] is module:
@@ -154,12 +165,19 @@ def probe(model, batch):
     try:
         torch.manual_seed(SEED + 1)
         with counter:
-            out = model(**_leaves(batch))
-        del out
+            loss = inputs.loss(model(**_leaves(batch)))
+        stack.clear()
+        try:
+            loss.backward()
+        except Exception:  # noqa: BLE001 - the combos say why; nothing is known of the recompute
+            recomputed = None
+        del loss
     finally:
         for h in handles:
             h.remove()
-    return counter.calls, ran, grad
+    missed = None if recomputed is None else {names.get(m, "?"): calls for m, calls in outside.items()
+                                              if m in recomputed}
+    return counter.calls, ran, grad, missed
 
 
 def _stats():
@@ -282,12 +300,15 @@ def _check(arch, row, modes, kinds):
         row["outcome"] = f"FAILED: install(None) stashed {stashed}, not the attention layers {row['attention_layers']}"
         return
     expected = {}  # kind -> attention calls a backward reaches (kept), per forward
+    missed = {}  # module name -> attention calls recomputed outside the layers found
     for kind in sorted({k for _, k in baselines}, key=kinds.index):
-        sdpa_calls, ran, grad = probe(copy.deepcopy(base), batch_of[kind])
+        sdpa_calls, ran, grad, missed_here = probe(copy.deepcopy(base), batch_of[kind])
+        for name, calls in (missed_here or {}).items():
+            missed[name] = max(missed.get(name, 0), calls)
         total, expected[kind] = sum(ran.values()), sum(grad.values())
         row.setdefault("probe", {})[kind] = dict(attention_layers=len(found), layers_ran=len(ran),
                                                  attention_calls=total, attention_calls_with_grad=expected[kind],
-                                                 sdpa_calls=sdpa_calls)
+                                                 sdpa_calls=sdpa_calls, missed=missed_here)
         _probe_notes(row, kind, len(found), ran, total, expected[kind], sdpa_calls)
 
     failures, refusals, unverified = [], [], []
@@ -310,6 +331,10 @@ def _check(arch, row, modes, kinds):
         elif status != "bitwise":
             failures.append((combo, result["detail"]))
     outcome = _outcome(failures, refusals, unverified, len(baselines))
+    if missed:
+        outcome = (f"FAILED: the backward recomputes {sum(missed.values())} attention calls outside the layers the "
+                   f"installer found, in {', '.join(sorted(missed))}: checkpointed layers it did not find "
+                   f"(with the stash on the layers found: {outcome})")
     if not broken or outcome.startswith("FAILED"):
         row["outcome"] = outcome
     else:  # not buildable in some combinations: what the others gave
