@@ -88,3 +88,33 @@ def test_a_first_input_that_needs_no_grad_trains_bitwise_under_non_reentrant_che
     torch.manual_seed(0)
     assert_the_stash_gives_the_normal_recompute(FrozenEmbedding("non-reentrant").train(), installed, 3,
                                                 layers=BiasedBlock)
+
+
+def test_functional_call_with_other_parameters_is_wrong_with_and_without_the_stash(installed):
+    # README, Limits: the recompute runs in the backward, after torch.func.functional_call has put
+    # the model's own parameters back. torch's own gradient is then not the uncheckpointed one,
+    # and the stash, which cannot see the parameters change, replays the first forward's
+    # attention output into that recompute: wrong as well, and differently.
+    tokens = ids()
+
+    def grads(model):
+        params = {n: p.detach().clone().mul_(1.01).requires_grad_() for n, p in model.named_parameters()}
+        torch.manual_seed(7)
+        out = torch.func.functional_call(model, params, (tokens,))
+        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), tokens.flatten())
+        return torch.autograd.grad(loss, list(params.values()))
+
+    def differ(a, b):
+        return any(not torch.equal(x, y) for x, y in zip(a, b))
+
+    uncheckpointed = grads(gpt(checkpointing=None))
+    checkpointed = grads(gpt(checkpointing="non-reentrant"))
+    assert differ(checkpointed, uncheckpointed)
+    model = gpt(checkpointing="non-reentrant")
+    installed(model, layers=Block)
+    keeps, replays = counters()
+    stashed = grads(model)
+    assert counters() == (keeps + 3, replays + 3)
+    assert differ(stashed, uncheckpointed) and differ(stashed, checkpointed)
+    gc.collect()
+    assert attnstash.stash_stats()["records"] == 0
