@@ -87,7 +87,7 @@ CHECK_TESTS = tests/python/test_sdpa_ops_bitwise.py tests/python/test_sdpa_ops_p
   tests/python/test_sdpa_ops_refusals.py tests/python/test_sdpa_ops_compile.py tests/python/test_compile.py \
   tests/python/test_errors.py tests/python/test_edge_inputs.py tests/python/test_info.py tests/python/test_any_model.py \
   tests/python/test_module_hooks.py tests/python/test_checkpoint_inputs.py \
-  tests/python/test_install_mid_step.py
+  tests/python/test_install_mid_step.py tests/python/test_recomputed.py
 check: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
 	$(PYTHON) -m pytest $(CHECK_TESTS) -q $(PYTEST_ARGS)

@@ -151,17 +151,21 @@ _offload_waits = [0]
 OFFLOAD_WAITS = "recomputes whose records attnstash's offload had not fetched back ahead (install/offload.py)"
 
 
+RECOMPUTED = ("attention calls run again in a backward that the stash did not serve: in layers not stashed, or "
+              "stashed and run as without it (eager; declined keeps are counted apart, compiled graphs not at all)")
+
+
 def stash_stats() -> dict:
     """The process-wide stash's counters, by name (csrc/stash_registry.h defines them):
     records, bytes, peak_bytes, max_bytes (-1: no budget), keeps, declined, replays,
-    misses, released_unused, moved_bytes; and offload_waits (install/offload.py).
-    stash_stats_meanings() says what each one counts."""
-    return dict(_ops.stash_stats(), offload_waits=_offload_waits[0])
+    misses, released_unused, moved_bytes; offload_waits (install/offload.py); and
+    recomputed (torch_ops/frames.h). stash_stats_meanings() says what each one counts."""
+    return dict(_ops.stash_stats(), offload_waits=_offload_waits[0], recomputed=NATIVE.recomputed())
 
 
 def stash_stats_meanings() -> dict:
     """{counter: what it counts} for the fields of stash_stats()."""
-    return dict(_ops.stash_stats_meanings(), offload_waits=OFFLOAD_WAITS)
+    return dict(_ops.stash_stats_meanings(), offload_waits=OFFLOAD_WAITS, recomputed=RECOMPUTED)
 
 
 def count_offload_wait() -> None:

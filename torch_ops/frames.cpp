@@ -6,9 +6,11 @@
 #include "records.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/scaled_dot_product_attention_compositeimplicitautograd_dispatch.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -36,13 +38,8 @@ struct InsideOp {
 };
 std::atomic<CompiledAttention> compiled_attention{nullptr};
 
-// Torch's own kernel, the one a frame does not take the call from.
-at::Tensor torch_sdpa(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                      const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
-                      std::optional<double> scale, bool enable_gqa) {
-  return at::compositeimplicitautograd::scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
-                                                                     is_causal, scale, enable_gqa);
-}
+// Attention calls torch's own kernel ran in a backward with grad on (frames.h, recomputed).
+std::atomic<int64_t> recomputed_calls{0};
 
 // A call torch.compile traces: functionalized, or a FakeTensor under its mode (a tensor subclass
 // in eager, such as a jagged nested tensor, is not: the ops refuse it with their own message).
@@ -50,6 +47,17 @@ bool compile_traces(const at::Tensor& query) {
   const c10::DispatchKeySet keys = query.key_set();
   return keys.has(c10::DispatchKey::Functionalize) ||
          (keys.has(c10::DispatchKey::Python) && c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Python));
+}
+
+// Torch's own kernel, the one a frame does not take the call from; a call in a backward with
+// grad on counts as recomputed (frames.h).
+at::Tensor torch_sdpa(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
+                      std::optional<double> scale, bool enable_gqa) {
+  if (at::GradMode::is_enabled() && torch::autograd::get_current_graph_task_id() != -1 && !compile_traces(query))
+    recomputed_calls.fetch_add(1, std::memory_order_relaxed);
+  return at::compositeimplicitautograd::scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
+                                                                     is_causal, scale, enable_gqa);
 }
 
 [[noreturn]] void fail(Frame& frame, Failure why, const std::string& message) {
@@ -84,7 +92,9 @@ using KeepOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor
 at::Tensor sdpa_entry(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                       const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                       std::optional<double> scale, bool enable_gqa) {
-  if (inside_op) return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
+  if (inside_op)  // the op's own call (a declined or demoted record's recompute: counted by the registry)
+    return at::compositeimplicitautograd::scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
+                                                                       is_causal, scale, enable_gqa);
   if (compiled_frames > 0) {
     const CompiledAttention hook = compiled_attention.load();
     std::optional<at::Tensor> out;
@@ -181,6 +191,8 @@ Frame close(bool interrupted) {
 }
 
 size_t depth() { return open_frames.size(); }
+
+int64_t recomputed() { return recomputed_calls.load(std::memory_order_relaxed); }
 
 void set_compiled_attention(CompiledAttention hook) { compiled_attention.store(hook); }
 

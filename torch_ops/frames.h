@@ -106,6 +106,12 @@ Frame close(bool interrupted = false);
 // How many frames are open on this thread.
 size_t depth();
 
+// How many attention calls torch's own kernel has run in a backward with grad on, in this
+// process: recomputes the stash did not serve (a layer not stashed, or a stashed one run as
+// without the stash). Neither the op's own calls (a declined or demoted record's recompute) nor
+// a compiled graph's attention are counted.
+int64_t recomputed();
+
 // The installer's hook for compiled frames (above): the call's arguments in, the tensor it
 // stands for out, or nothing.
 using CompiledAttention = std::optional<at::Tensor> (*)(const at::Tensor& query, const at::Tensor& key,

@@ -196,6 +196,11 @@ static PyObject* new_slot_base(PyObject*, PyObject*) {
   END_HANDLE_TH_ERRORS
 }
 
+// recomputed() -> int: frames.h, recomputed.
+static PyObject* recomputed(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(attnstash::frames::recomputed());
+}
+
 static PyMethodDef attnstash_methods[] = {
     {"frame_phase", frame_phase, METH_O,
      "The phase of a stashed layer's forward as it starts (torch_ops/keep_replay.h, FramePhase), given whether a "
@@ -211,6 +216,8 @@ static PyMethodDef attnstash_methods[] = {
     {"new_slot_base", new_slot_base, METH_NOARGS,
      "The first slot of a new range of slots_per_range (csrc/stash_registry.h, stash_new_slot_range)."},
     {"frame_depth", frame_depth, METH_NOARGS, "How many frames are open on this thread."},
+    {"recomputed", recomputed, METH_NOARGS,
+     "How many attention calls torch's own kernel ran in a backward with grad on (frames.h)."},
     {"_set_compiled_attention", set_compiled_attention, METH_O,
      "Hand the frames the installer's hook for compiled frames (torch_ops/frames.h, CompiledAttention)."},
     {"set_compiled_frames", set_compiled_frames, METH_O, "How many compiled frames this thread has open."},

@@ -27,10 +27,10 @@ logger = logging.getLogger(__name__)
 PREFIX = "attnstash/"
 """The prefix of the keys the callback adds to the trainer's logs."""
 
-FIGURES = ("bytes", "peak_bytes", "keeps", "replays", "declined")
+FIGURES = ("bytes", "peak_bytes", "keeps", "replays", "declined", "recomputed")
 """The figures each training log gets, as PREFIX + name (AttentionStashCallback says what each is)."""
 
-_COUNTERS = ("keeps", "replays", "declined")  # reported as the increase since the previous log
+_COUNTERS = ("keeps", "replays", "declined", "recomputed")  # reported as the increase since the previous log
 _HANDLER_FRAMES = 6  # how far up the stack on_train_begin looks for the CallbackHandler that calls it
 
 # model -> the callback whose stash it has: a stash a train() left installed (it raised before
@@ -61,7 +61,8 @@ class AttentionStashCallback(TrainerCallback):
             until its recompute.
 
     At train end it prints one line to stderr: the layers stashed, and the keeps, replays,
-    declined keeps and peak bytes of the run (summary()).
+    declined keeps, attention calls recomputed outside the stash (where there were any) and peak
+    bytes of the run (summary()).
 
     What it logs. Every training log (a log the trainer makes at a logging step: one with
     "loss"; evaluation logs and the end-of-training summary are left alone) gets, as ints:
@@ -76,6 +77,10 @@ class AttentionStashCallback(TrainerCallback):
         attnstash/replays      recomputes that took a kept output back, since the previous log
         attnstash/declined     keeps the budget declined (those recomputes ran attention), since
                                the previous log
+        attnstash/recomputed   attention calls the backward ran again outside the stash (layers
+                               not stashed: num_layers, or not checkpointed by a checkpoint the
+                               installer reaches), since the previous log; 0 where every
+                               checkpointed attention layer is stashed
 
     The figures are the process-wide stash's (attnstash.stash_stats): other models trained in
     the same process at the same time add to them. If the first training log of a run finds
@@ -218,13 +223,17 @@ class AttentionStashCallback(TrainerCallback):
             self._model = None
 
     def summary(self):
-        """One line on the run since train begin: layers stashed, keeps, replays, declined, peak
-        bytes (None before a train begin). on_train_end prints it."""
+        """One line on the run since train begin: layers stashed, keeps, replays, declined,
+        attention calls recomputed outside the stash (where any were), peak bytes (None before a
+        train begin). on_train_end prints it."""
         if self._run is None:
             return None
         stats = ops.stash_stats()
         peak = max(self._run["peak_bytes"], stats["peak_bytes"])
-        counts = ", ".join(f"{stats[name] - self._run[name]} {name}" for name in _COUNTERS)
+        counts = ", ".join(f"{stats[name] - self._run[name]} {name}" for name in _COUNTERS if name != "recomputed")
+        recomputed = stats["recomputed"] - self._run["recomputed"]
+        if recomputed:
+            counts += f", {recomputed:,} attention calls recomputed outside the stash"
         rank = os.environ.get("RANK")
         why = f"; {self._unstashed}" if self._unstashed else ""
         traced = compiled.saved_calls() - self._run["compiled"]

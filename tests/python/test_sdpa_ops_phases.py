@@ -198,7 +198,7 @@ def test_stash_clear_releases_everything():
 
 def test_stats_report_every_counter_with_its_meaning():
     names = ["records", "bytes", "peak_bytes", "max_bytes", "keeps", "declined", "replays", "misses",
-             "released_unused", "moved_bytes", "offload_waits"]
+             "released_unused", "moved_bytes", "offload_waits", "recomputed"]
     assert list(attnstash.stash_stats()) == names  # csrc/stash_registry.h's order, then ops.py's
     meanings = attnstash.stash_stats_meanings()
     assert list(meanings) == names and all(meanings.values())

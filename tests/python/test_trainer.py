@@ -151,13 +151,14 @@ def assert_same_training(plain, run):
     assert all(torch.equal(weights[n], run.weights[n]) for n in weights)
 
 
-def assert_reported(run, callback, keeps=LAYERS, declined=0):
+def assert_reported(run, callback, keeps=LAYERS, declined=0, recomputed=0):
     """Every training log has the figures (per logging step), in state.log_history and in
     what the callback placed before it received; the callback ran first; nothing is left."""
     for entry in run.training_logs:
         figures = {key: entry[key] for key in KEYS}
         assert figures == {PREFIX + "bytes": 0, PREFIX + "peak_bytes": figures[PREFIX + "peak_bytes"],
-                           PREFIX + "keeps": keeps, PREFIX + "replays": keeps, PREFIX + "declined": declined}
+                           PREFIX + "keeps": keeps, PREFIX + "replays": keeps, PREFIX + "declined": declined,
+                           PREFIX + "recomputed": recomputed}
         assert all(type(value) is int for value in figures.values())
         assert (figures[PREFIX + "peak_bytes"] > 0) == (keeps > 0)
     seen = [logs for logs in run.recorder.logs if "loss" in logs]
@@ -187,6 +188,18 @@ def test_callback_trains_like_without_and_reports(tmp_path, lora, reentrant):
     assert_reported(run, callback)
     if lora:
         assert isinstance(run.trainer.model, peft.PeftModel)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_callback_reports_the_attention_recomputed_outside_the_stash(tmp_path, reentrant, capsys):
+    # One of the three checkpointed layers stashed: the other two run their attention again in
+    # each backward, which the figures and the last line count.
+    callback = AttentionStashCallback(num_layers=1)
+    run = trainer_run(tmp_path, reentrant=reentrant, callback=callback)
+    assert_same_training(plain_run(False, reentrant), run)
+    assert_reported(run, callback, keeps=1, recomputed=2)
+    assert ("attnstash: 1 layers stashed; 4 keeps, 4 replays, 0 declined, 8 attention calls recomputed outside the "
+            "stash; peak ") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
@@ -230,8 +243,9 @@ def test_callback_uninstall_after_a_step_that_raised_releases_and_uninstalls():
 
 
 def test_callback_num_layers_and_budget(tmp_path):
-    """max_bytes=0 declines every keep (the recomputes run attention: same training); the
-    budget is the callback's for the run only, and num_layers picks the last layers."""
+    """max_bytes=0 declines every keep (the recomputes run attention: same training, counted as
+    declined, not as recomputed outside the stash); the budget is the callback's for the run
+    only, and num_layers picks the last layers (the first one's recompute is outside it)."""
     attnstash.stash_set_max_bytes("1GiB")
     try:
         callback = AttentionStashCallback(num_layers=2, max_bytes=0)
@@ -240,7 +254,7 @@ def test_callback_num_layers_and_budget(tmp_path):
     finally:
         attnstash.stash_set_max_bytes(None)
     assert_same_training(plain_run(False, False), run)
-    assert_reported(run, callback, keeps=0, declined=2)
+    assert_reported(run, callback, keeps=0, declined=2, recomputed=1)
 
 
 def test_callback_without_gradient_checkpointing_fails_at_train_begin(tmp_path):
