@@ -8,7 +8,8 @@ without the stash is reproducible bitwise (else "baseline not deterministic"); w
 loss and every gradient are bitwise the same, the keeps are the attention calls of the stashed
 blocks that a backward can reach, the replays those their recomputes make, nothing is held
 after, and no attention call runs again in the backward outside the stashed blocks (else a
-checkpointed block the installer did not find: FAILED). Outcomes: "supported" (both modes),
+checkpointed block the installer did not find: FAILED; seen by the probe, by module, and by
+stash_stats()["recomputed"] with the stash on). Outcomes: "supported" (both modes),
 "supported (non-reentrant; ...)" where the model itself cannot train under reentrant
 checkpointing, "refused at install: ...", "refused at run: ..." (an attnstash error), "not
 run: ..." (why), "baseline not deterministic (...)", "FAILED: ...". Writes sweep.json and
@@ -110,12 +111,13 @@ def _combo(name, mode, expected):
     finally:
         attnstash.uninstall_attention_stash(model)
     counted = (after["keeps"] - before["keeps"], after["replays"] - before["replays"])
+    recomputed = after["recomputed"] - before["recomputed"]
     gc.collect()
     held = attnstash.stash_stats()["records"]
     status = ("bitwise" if _bitwise(got, reference) else "different" if deterministic else "not deterministic")
     result = {"status": status, "keeps": counted[0], "replays": counted[1], "expected": list(expected or ()),
-              "held": held, "stashed": len(stashed)}
-    if status == "bitwise" and (counted != tuple(expected or ()) or held or not counted[0]):
+              "held": held, "stashed": len(stashed), "recomputed": recomputed}
+    if status == "bitwise" and (counted != tuple(expected or ()) or held or not counted[0] or recomputed):
         result["status"] = "wrong counters"
     return result
 

@@ -144,8 +144,8 @@ def test_fast_subset(arch, one_thread):
 
 def test_the_probe_names_checkpointed_attention_outside_the_layers_found(monkeypatch, one_thread):
     """A checkpointed layer the installer does not find would run its attention again in the
-    recompute unseen: the probe names where (and check_arch fails the type). Here the installer
-    is made to miss the last decoder layer."""
+    recompute unseen: the probe names where, and the stash's recomputed counter counts it (either
+    fails the type in check_arch). Here the installer is made to miss the last decoder layer."""
     import copy
 
     import attnstash
@@ -154,6 +154,13 @@ def test_the_probe_names_checkpointed_attention_outside_the_layers_found(monkeyp
     head, base = run._build("llama", row)
     batch = inputs.batch(base, head, "unpadded")
     assert run.probe(copy.deepcopy(base), batch)[3] == {}
+    # With the stash on, stash_stats()["recomputed"] sees it too (here: one layer left out).
+    reference = run.train_step(run._copy(base, "reentrant"), batch)
+    install = attnstash.install_attention_stash
+    monkeypatch.setattr(attnstash, "install_attention_stash", lambda model: install(model, 3))
+    result = run._stash_combo(base, "reentrant", batch, reference, 4)
+    assert result["status"] == "failed" and result["recomputed"] == 1, result
+    assert "recomputed outside the stash +1" in result["detail"], result
     found = attnstash.attention_layers
     monkeypatch.setattr(attnstash, "attention_layers", lambda model: found(model)[:-1])
     assert run.probe(copy.deepcopy(base), batch)[3] == {"model.layers.3.self_attn": 1}

@@ -9,9 +9,11 @@ an attention_mask):
      of the floating inputs) are bitwise the baseline's, keeps and replays each grow by the
      number of F.scaled_dot_product_attention calls in stashed layers that the backward
      reaches (probe), and nothing is held after (also after a refusal);
-  3. no attention call runs again in the backward outside the layers the installer finds
-     (probe, "missed"): a checkpointed layer it does not find fails the type, as its recompute
-     would run attention again unseen.
+  3. no attention call runs again in the backward outside the layers the installer finds: a
+     checkpointed layer it does not find fails the type, as its recompute would run attention
+     again unseen. Seen twice: by the probe ("missed", by module), and with the stash on, by
+     stash_stats()["recomputed"] (every call of aten::scaled_dot_product_attention, whatever
+     its name).
 """
 import copy
 import gc
@@ -394,7 +396,8 @@ def _stash_combo(base, mode, batch, reference, expected):
     keeps, replays = after["keeps"] - before["keeps"], after["replays"] - before["replays"]
     unused = after["released_unused"] - before["released_unused"]
     result.update(keeps=keeps, replays=replays, expected=expected, declined=after["declined"] - before["declined"],
-                  misses=after["misses"] - before["misses"], released_unused=unused)
+                  misses=after["misses"] - before["misses"], released_unused=unused,
+                  recomputed=after["recomputed"] - before["recomputed"])
     if error is not None:
         message = _short(error, 500)
         attn = isinstance(error, (RuntimeError, ValueError)) and str(error).startswith("attnstash")
@@ -425,9 +428,11 @@ def _stash_combo(base, mode, batch, reference, expected):
     if diff:
         result.update(status="different", detail="not bitwise: " + "; ".join(diff))
         return result
-    if keeps != expected or replays + unused != keeps or result["misses"] or result["declined"]:
+    if (keeps != expected or replays + unused != keeps or result["misses"] or result["declined"]
+            or result["recomputed"]):
         result.update(status="failed", detail=f"keeps +{keeps}, replays +{replays}, released unused +{unused}, "
-                                              f"misses +{result['misses']}, declined +{result['declined']} for "
+                                              f"misses +{result['misses']}, declined +{result['declined']}, "
+                                              f"recomputed outside the stash +{result['recomputed']} for "
                                               f"{expected} stashed attention calls per forward")
         return result
     result["status"] = "bitwise"
