@@ -92,9 +92,7 @@ using KeepOp = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor
 at::Tensor sdpa_entry(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                       const std::optional<at::Tensor>& attn_mask, double dropout_p, bool is_causal,
                       std::optional<double> scale, bool enable_gqa) {
-  if (inside_op)  // the op's own call (a declined or demoted record's recompute: counted by the registry)
-    return at::compositeimplicitautograd::scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
-                                                                       is_causal, scale, enable_gqa);
+  if (inside_op) return torch_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa);
   if (compiled_frames > 0) {
     const CompiledAttention hook = compiled_attention.load();
     std::optional<at::Tensor> out;

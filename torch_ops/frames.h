@@ -108,8 +108,9 @@ size_t depth();
 
 // How many attention calls torch's own kernel has run in a backward with grad on, in this
 // process: recomputes the stash did not serve (a layer not stashed, or a stashed one run as
-// without the stash). Neither the op's own calls (a declined or demoted record's recompute) nor
-// a compiled graph's attention are counted.
+// without the stash). A declined or demoted record's recompute runs its backend's forward, not
+// this op (the registry counts it as declined), and a compiled graph's attention does not reach
+// it: neither is counted.
 int64_t recomputed();
 
 // The installer's hook for compiled frames (above): the call's arguments in, the tensor it
