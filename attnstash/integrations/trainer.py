@@ -30,7 +30,8 @@ PREFIX = "attnstash/"
 FIGURES = ("bytes", "peak_bytes", "keeps", "replays", "declined", "recomputed")
 """The figures each training log gets, as PREFIX + name (AttentionStashCallback says what each is)."""
 
-_COUNTERS = ("keeps", "replays", "declined", "recomputed")  # reported as the increase since the previous log
+_IN_THE_LINE = ("keeps", "replays", "declined")  # summary() gives each; recomputed only where it is not 0
+_COUNTERS = _IN_THE_LINE + ("recomputed",)  # reported as the increase since the previous log
 _HANDLER_FRAMES = 6  # how far up the stack on_train_begin looks for the CallbackHandler that calls it
 
 # model -> the callback whose stash it has: a stash a train() left installed (it raised before
@@ -78,9 +79,9 @@ class AttentionStashCallback(TrainerCallback):
         attnstash/declined     keeps the budget declined (those recomputes ran attention), since
                                the previous log
         attnstash/recomputed   attention calls the backward ran again outside the stash (layers
-                               not stashed: num_layers, or not checkpointed by a checkpoint the
-                               installer reaches), since the previous log; 0 where every
-                               checkpointed attention layer is stashed
+                               not stashed: num_layers, or checkpointed where the installer does
+                               not reach), since the previous log; 0 where every checkpointed
+                               attention layer is stashed
 
     The figures are the process-wide stash's (attnstash.stash_stats): other models trained in
     the same process at the same time add to them. If the first training log of a run finds
@@ -230,7 +231,7 @@ class AttentionStashCallback(TrainerCallback):
             return None
         stats = ops.stash_stats()
         peak = max(self._run["peak_bytes"], stats["peak_bytes"])
-        counts = ", ".join(f"{stats[name] - self._run[name]} {name}" for name in _COUNTERS if name != "recomputed")
+        counts = ", ".join(f"{stats[name] - self._run[name]} {name}" for name in _IN_THE_LINE)
         recomputed = stats["recomputed"] - self._run["recomputed"]
         if recomputed:
             counts += f", {recomputed:,} attention calls recomputed outside the stash"

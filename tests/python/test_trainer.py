@@ -217,10 +217,11 @@ def test_callback_under_mixed_precision(tmp_path, reentrant):
 def test_callback_on_layers_checkpointed_by_checkpoint_wrapper(tmp_path, reentrant):
     # Checkpointed, though no layer's gradient_checkpointing is on: the callback installs, and
     # the run trains like the same run without it.
-    plain = trainer_run(tmp_path / "plain", model=checkpoint_wrapped(tiny_model("llama", seed=0), reentrant), gradient_checkpointing=False)
+    plain = trainer_run(tmp_path / "plain", model=checkpoint_wrapped(tiny_model("llama", seed=0), reentrant),
+                        gradient_checkpointing=False)
     callback = AttentionStashCallback()
-    run = trainer_run(tmp_path / "stash", model=checkpoint_wrapped(tiny_model("llama", seed=0), reentrant), callback=callback,
-                      gradient_checkpointing=False)
+    run = trainer_run(tmp_path / "stash", model=checkpoint_wrapped(tiny_model("llama", seed=0), reentrant),
+                      callback=callback, gradient_checkpointing=False)
     assert_same_training((plain.losses, plain.weights), run)
     assert_reported(run, callback)
 
