@@ -230,9 +230,9 @@ def release_slots(first: int, count: int) -> int:
     return _ops._release_slots(first, count)
 
 
-def record_id(anchor, slot: int) -> int:
-    """The id of the record held for (anchor, slot), 0 if none."""
-    return _ops.stash_record_id(anchor, slot)
+record_id = NATIVE.record_id
+"""record_id(anchor, slot) -> int: the id of the record held for (anchor, slot), 0 if none; the
+stash_record_id op's kernel, called directly (python_module.cpp)."""
 
 
 def new_token():

@@ -4,7 +4,10 @@ attnstash and for the seed pull request's design (seed_design.py), and timed bes
 
 A tiny Qwen3 decoder (4 layers, hidden 64, 4 query / 2 KV heads of 16, batch 1 x sequence 16,
 fp32, CPU, one thread) where attention itself costs little, trained with reentrant checkpointing
-(the seed's design serves no other) and, for attnstash, non-reentrant. Each configuration runs in
+(the seed's design serves no other) and, for attnstash, non-reentrant; attnstash both through
+transformers' checkpoint function ("attnstash") and through a module call ("modulecall": the
+same layers in a plain loop that checkpoints each, dit.PlainDecoder, as diffusers and plain
+PyTorch models reach the stash). Each configuration runs in
 its own process under `valgrind --tool=callgrind` (addresses fixed: setarch -R, hash seed 0),
 once for `warmup + a` and once for
 `warmup + b` steps, the collector's state frozen after the warm-up (run_steps): the difference
@@ -39,7 +42,8 @@ import torch
 import attnstash
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("attnstash-0", "attnstash-all", "seed-0", "seed-all")
+CONFIGS = ("attnstash-0", "attnstash-all", "modulecall-0", "modulecall-all", "seed-0", "seed-all")
+DESIGNS = ("attnstash", "modulecall", "seed")
 LAYERS = 4
 
 
@@ -51,24 +55,29 @@ def configs(mode):
 def build(config, mode):
     """(model, step, undo) for one configuration: the stash as it says, checkpointing `mode`;
     undo() removes what it installed."""
+    from .dit import Block, PlainDecoder
     from .harness import decoy
     from .models import build_model, enable_checkpointing, make_shape, random_batch
     from .seed_design import SeedStash
     shape = make_shape("tiny", layers=LAYERS, hidden=64, heads=4, kv_heads=2, head_dim=16, seq=16, batch=1)
-    model = build_model(shape)
-    enable_checkpointing(model, mode)
     design, _, layers = config.partition("-")
+    model = build_model(shape)
+    if design == "modulecall":
+        model = PlainDecoder(model)
+    enable_checkpointing(model, mode)
     undo = lambda: None  # noqa: E731
-    if design == "attnstash":
-        stashed = model if layers == "all" else decoy()  # 0 layers: an install elsewhere, nothing of this model
-        attnstash.install_attention_stash(stashed, None if layers == "all" else 1)
+    if design in ("attnstash", "modulecall"):
+        # 0 layers: an install elsewhere, nothing of this model (each design on a decoy of its own)
+        stashed = model if layers == "all" else decoy() if design == "attnstash" else decoy.__wrapped__()
+        attnstash.install_attention_stash(stashed, None if layers == "all" else 1,
+                                          layers=Block if design == "modulecall" and layers == "all" else None)
         undo = functools.partial(attnstash.uninstall_attention_stash, stashed)
     elif design == "seed":
         undo = SeedStash(model, None if layers == "all" else 0).uninstall
     ids = random_batch(shape)
 
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(ids) if design == "modulecall" else model(input_ids=ids, labels=ids).loss
         loss.backward()
         return loss.detach()
     return model, step, undo
@@ -89,17 +98,26 @@ def run_steps(config, mode, warmup, steps):
 
 
 def check(mode):
-    """Loss and every gradient of each configuration bitwise the plain run's (one process)."""
+    """Loss and every gradient of each configuration bitwise the plain run's (one process; the
+    module call's against its own model on 0 layers, which keeps nothing of it)."""
     results = {}
     for config in ["plain", *configs(mode)]:
         model, step, undo = build(config, mode)
+        before = attnstash.stash_stats()["replays"]
         loss = step()
         undo()
         results[config] = (loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
         assert attnstash.stash_stats()["records"] == 0, f"{config}: the stash holds records after a step"
-    loss, grads = results.pop("plain")
+        replays, wanted = attnstash.stash_stats()["replays"] - before, LAYERS if config.endswith("-all") else 0
+        if not config.startswith("seed") and replays != wanted:
+            raise SystemExit(f"benchmarks: {config} ({mode}) replayed {replays} attention calls in a step, not {wanted}")
     for config, (other_loss, other_grads) in results.items():
-        same = torch.equal(loss, other_loss) and all(torch.equal(grads[n], other_grads[n]) for n in grads)
+        reference = "modulecall-0" if config.startswith("modulecall") else "plain"
+        if config == reference:
+            continue
+        loss, grads = results[reference]
+        same = (torch.equal(loss, other_loss) and grads.keys() == other_grads.keys()
+                and all(torch.equal(grads[n], other_grads[n]) for n in grads))
         if not same:
             raise SystemExit(f"benchmarks: {config} ({mode}) does not give the plain run's loss and gradients bitwise")
 
@@ -259,17 +277,18 @@ def instructions_mode(shape, args, out):
         result["per_step"][mode] = per_step
         result["per_stashed_layer"][mode] = {
             design: (per_step[f"{design}-all"] - per_step[f"{design}-0"]) / LAYERS
-            for design in ("attnstash", "seed") if f"{design}-all" in per_step}
+            for design in DESIGNS if f"{design}-all" in per_step}
         result["against_plain"][mode] = {  # what each install costs where it keeps nothing, and in all
             f"{design}-{layers}": per_step[f"{design}-{layers}"] - per_step["plain"]
             for design in ("attnstash", "seed") for layers in ("0", "all") if f"{design}-all" in per_step}
+        # (the module call's steps are another model's: they are compared with its own 0 layers only)
         result["time_per_step_us"][mode] = timed(mode, args.repeats)
     print("\nper stashed layer and step (instructions; host time, us, from the interleaved medians):")
     for mode, designs in result["per_stashed_layer"].items():
         us = result["time_per_step_us"][mode]
         for design, n in designs.items():
             t = (us[f"{design}-all"] - us[f"{design}-0"]) / LAYERS
-            print(f"  {mode:>13}, {design:>9}: {n:>12,.0f} instructions, {t:+8.1f} us")
+            print(f"  {mode:>13}, {design:>10}: {n:>12,.0f} instructions, {t:+8.1f} us")
     print(f"\ntransformers' attention entry around F.sdpa, which the seed's design replaces and attnstash runs "
           f"(run_entry): {result['entry_skipped_by_seed']:,.0f} instructions a stashed layer and step")
     print(f"\none layer's keep, replay and token on the ops alone (run_held): {held[HELD_CONFIGS[0]]:,.0f} "

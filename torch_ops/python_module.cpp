@@ -196,6 +196,21 @@ static PyObject* new_slot_base(PyObject*, PyObject*) {
   END_HANDLE_TH_ERRORS
 }
 
+// record_id(anchor, slot) -> int: records.h, record_id (the stash_record_id op's kernel), called
+// directly: module_call.py asks it of every pending first forward as its layer runs, where the op's
+// binding costs more than the query. Modes do not see it, as they do not see frame_open's anchor.
+static PyObject* record_id(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 2 || !THPVariable_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "attnstash: _C.record_id takes (anchor tensor, slot)");
+    return nullptr;
+  }
+  const long long slot = PyLong_AsLongLong(args[1]);
+  if (slot == -1 && PyErr_Occurred()) return nullptr;
+  return PyLong_FromLongLong(attnstash::records::record_id(THPVariable_Unpack(args[0]), slot));
+  END_HANDLE_TH_ERRORS
+}
+
 // recomputed() -> int: frames.h, recomputed.
 static PyObject* recomputed(PyObject*, PyObject*) {
   return PyLong_FromLongLong(attnstash::frames::recomputed());
@@ -216,6 +231,8 @@ static PyMethodDef attnstash_methods[] = {
     {"new_slot_base", new_slot_base, METH_NOARGS,
      "The first slot of a new range of slots_per_range (csrc/stash_registry.h, stash_new_slot_range)."},
     {"frame_depth", frame_depth, METH_NOARGS, "How many frames are open on this thread."},
+    {"record_id", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_id)), METH_FASTCALL,
+     "The id of the record held for (anchor, slot), 0 if none: the stash_record_id op's kernel (records.h)."},
     {"recomputed", recomputed, METH_NOARGS,
      "How many attention calls torch's own kernel ran in a backward with grad on (frames.h)."},
     {"_set_compiled_attention", set_compiled_attention, METH_O,

@@ -62,8 +62,8 @@ def _live(stash):
 def _handed(entry, layer_input):
     """Whether the recompute was handed the very input of this entry's first forward."""
     original = entry.layer_input()
-    return original is not None and original.data_ptr() == layer_input.data_ptr() and \
-        original.shape == layer_input.shape
+    return original is layer_input or (original is not None and original.data_ptr() == layer_input.data_ptr()
+                                       and original.shape == layer_input.shape)
 
 
 def _may_be_a_copy(entry, layer_input):

@@ -72,6 +72,8 @@ say."""
 def anchor_of(stash, args, kwargs, more_kwargs=None):
     """A stashed layer's input, what its forward anchors on: its first tensor argument
     (positional first, then keyword, then `more_kwargs`, a checkpointed partial's keywords)."""
+    if args and isinstance(args[0], torch.Tensor):  # (the common case, without the chain)
+        return args[0]
     for value in itertools.chain(args, kwargs.values(), (more_kwargs or {}).values()):
         if isinstance(value, torch.Tensor):
             return value

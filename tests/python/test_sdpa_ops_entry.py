@@ -3,7 +3,7 @@ keeps, every call of aten::scaled_dot_product_attention, by whatever name, is
 attnstash::sdpa_fwd_keep on the frame's anchor at its next slot (the same output bitwise, the same
 record kept and replayed, the same error), on the thread that opened it only, and outside every
 frame torch's own. And ops.NEW_TOKEN, its entry to attnstash::_new_token: the kernel called from C,
-the binding where a mode would see the call."""
+the binding where a mode would see the call; ops.record_id, stash_record_id's kernel called from C."""
 import sys
 import threading
 import time
@@ -89,6 +89,32 @@ def test_a_token_from_c_is_the_binding_s_and_releases_as_the_binding_s_does(toke
     assert len(ops.held_ids()) == 1
     del token, bound
     assert ops.held_ids() == []
+
+
+def test_record_id_is_the_op_s_kernel_called_directly():
+    """ops.record_id, which module_call.py asks of every pending first forward, is the C function,
+    and answers as attnstash::stash_record_id does: the record kept on (anchor, slot), 0 on another
+    slot, once taken, and for a tensor nothing is kept on; bad arguments say what it takes."""
+    assert ops.record_id is ops.NATIVE.record_id
+    op = torch.ops.attnstash.stash_record_id
+    q, k, v = qkv(torch.float32, 4, 4, 16)
+    anchor, other = ops.NEW_TOKEN(), ops.NEW_TOKEN()
+    with torch.no_grad():
+        KEEP(q, k, v, anchor, 3)
+    kept = ops.record_id(anchor, 3)
+    assert kept != 0 and kept == op(anchor, 3) and kept in ops.held_ids()
+    for args in ((anchor, 4), (other, 3), (q, 3)):
+        assert ops.record_id(*args) == op(*args) == 0
+    with torch.enable_grad():
+        torch.ops.attnstash.sdpa_replay(q, k, v, anchor, 3)
+    assert ops.record_id(anchor, 3) == op(anchor, 3) == 0
+    with pytest.raises(TypeError, match=r"takes \(anchor tensor, slot\)"):
+        ops.record_id(3, 3)
+    with pytest.raises(TypeError, match=r"takes \(anchor tensor, slot\)"):
+        ops.record_id(anchor)
+    with pytest.raises(TypeError):
+        ops.record_id(anchor, "3")
+    assert attnstash.stash_stats()["records"] == 0
 
 
 def test_a_mode_that_would_see_the_token_s_call_gets_it_through_the_binding(token_binding_calls):
