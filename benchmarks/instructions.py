@@ -22,7 +22,7 @@ cost with no other record held and with 256 held (run_held: the registry's work 
 Losses and gradients of every
 configuration are checked bitwise against the plain run's in one process first.
 
-    python -m benchmarks --mode instructions            (about 28 minutes on 2 cores)
+    python -m benchmarks --mode instructions            (about 40 minutes on 2 cores)
 """
 import concurrent.futures
 import functools
