@@ -78,8 +78,9 @@ class Config:
 
 
 @functools.lru_cache(maxsize=None)
-def decoy():
-    """A tiny Qwen3 model that stash-on-0-layers configurations install the stash on."""
+def decoy(owner=""):
+    """A tiny Qwen3 model that stash-on-0-layers configurations install the stash on: one per
+    `owner`, for configurations that are installed at once."""
     from .models import build_model, make_shape
     return build_model(make_shape("tiny", layers=1, hidden=16, heads=2, kv_heads=1, head_dim=8, vocab=16, seq=8,
                                   device="cpu", dtype="fp32"))

@@ -68,7 +68,7 @@ def build(config, mode):
     undo = lambda: None  # noqa: E731
     if design in ("attnstash", "modulecall"):
         # 0 layers: an install elsewhere, nothing of this model (each design on a decoy of its own)
-        stashed = model if layers == "all" else decoy() if design == "attnstash" else decoy.__wrapped__()
+        stashed = model if layers == "all" else decoy(design)
         attnstash.install_attention_stash(stashed, None if layers == "all" else 1,
                                           layers=Block if design == "modulecall" and layers == "all" else None)
         undo = functools.partial(attnstash.uninstall_attention_stash, stashed)
