@@ -66,18 +66,25 @@ at::Tensor torch_sdpa(const at::Tensor& query, const at::Tensor& key, const at::
   TORCH_CHECK(false, message);
 }
 
+// Whether two generator states (generator_state's) are the same bytes: a comparison of memory,
+// where at::equal would run a tensor iteration over the CPU generator's 5,056 bytes before each
+// attention call of a first forward whose checkpoint cannot be seen (RandomCheck::note).
+bool same_state(const at::Tensor& a, const at::Tensor& b) {
+  return a.nbytes() == b.nbytes() && std::memcmp(a.const_data_ptr(), b.const_data_ptr(), a.nbytes()) == 0;
+}
+
 // The state to note on the call's record (undefined: none), after checking it (RandomCheck).
 at::Tensor check_random(Frame& frame, int64_t slot, const at::Device& device) {
   if (frame.random == RandomCheck::check) {
     std::optional<at::Tensor> want = records::noted_rng(frame.anchor, slot);
-    if (want.has_value() && !at::equal(generator_state(device), *want))
+    if (want.has_value() && !same_state(generator_state(device), *want))
       fail(frame, Failure::random_state,
            "attnstash: a recompute draws other random numbers before its attention than its first forward did, "
            "so its query, key and value differ from the ones the kept output belongs to");
     return at::Tensor();
   }
   at::Tensor now = generator_state(device);
-  if (now.sizes() == frame.random_start.sizes() && at::equal(now, frame.random_start)) return at::Tensor();
+  if (same_state(now, frame.random_start)) return at::Tensor();
   if (frame.random == RandomCheck::refuse)
     fail(frame, Failure::random_state,
          "attnstash: a first forward draws random numbers before its attention, and its checkpoint does not "
@@ -147,8 +154,19 @@ at::Tensor sdpa_entry(const at::Tensor& query, const at::Tensor& key, const at::
 at::Tensor generator_state(const at::Device& device) {
   at::Generator generator =
       device.is_cpu() ? at::detail::getDefaultCPUGenerator() : at::globalContext().defaultGenerator(device);
-  std::lock_guard<std::mutex> lock(generator.mutex());
-  return generator.get_state();
+  at::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    state = generator.get_state();
+  }
+  // (same_state compares the bytes: torch documents the state as a CPU byte tensor.)
+  TORCH_CHECK(state.is_cpu() && state.scalar_type() == at::kByte && state.is_contiguous(),
+              "attnstash: the random state of ", device, " is expected to be a contiguous CPU byte tensor, as "
+              "torch.get_rng_state() documents, but this torch release gives a ", state.scalar_type(), " tensor on ",
+              state.device(), (state.is_contiguous() ? "" : ", not contiguous"),
+              ". attnstash cannot check a stashed layer's random numbers with it: install a torch release README.md "
+              "lists (Compatibility), or report it.");
+  return state;
 }
 
 void open(Frame frame) { open_frames.push_back(std::move(frame)); }

@@ -4,7 +4,8 @@ hooks (core.py, Anchor).
 Such a layer's checkpoint is not seen from outside, so no Run holds a token for the checkpoint
 call. Under saved-tensor hooks (a non-reentrant checkpoint's own, and the user's offloading)
 the recompute may be handed a copy of the layer input, at another address: the ops then anchor
-on a token made for the first forward (new_token), in a Pending entry that the layer's stash
+on a token made for the first forward (ops.new_token: a 0-dim CPU tensor that requires grad,
+which hooks that offload never copy), in a Pending entry that the layer's stash
 lists until its record is gone (with the layer's own offload too: the entry holds what
 offload.py moved). The entry lives as long as the graph that can recompute the forward: it is
 held by the grad_fn of the layer input (the node before the checkpoint), else, for a
@@ -23,13 +24,6 @@ from ..errors import CheckpointingError, ReplayError
 from . import offload
 
 _HELD = "attnstash_tokens"  # the key of the tokens a grad_fn holds, in its metadata
-
-
-def new_token():
-    """What the ops anchor on in place of a layer input: a 0-dim CPU tensor that requires grad
-    (torch_ops/keep_replay.h, Phase: hooks that offload never copy it), which releases what is
-    held under it as it is freed (ops.new_token)."""
-    return ops.new_token()
 
 
 class Pending:
@@ -93,7 +87,7 @@ def _for_first_forward(stash, layer_input, grad):
     if holder is None and not grad:
         return None
     _live(stash)
-    entry = Pending(new_token(), layer_input, grad)
+    entry = Pending(ops.NEW_TOKEN(), layer_input, grad)
     if holder is not None:  # the graph holds it; the layer only looks it up
         holder.metadata.setdefault(_HELD, []).append(entry)
         stash.pending.append(weakref.ref(entry))
@@ -116,7 +110,11 @@ def _for_recompute(stash, layer_input):
     if not stash.pending:
         return None
     live = _live(stash)
-    entry = next((e for e in live if _handed(e, layer_input)), None)
+    entry = None
+    for candidate in live:
+        if _handed(candidate, layer_input):
+            entry = candidate
+            break
     if entry is None and len(live) == 1:
         if not _may_be_a_copy(live[0], layer_input):
             raise ReplayError(
