@@ -85,7 +85,8 @@ struct Frame {
 };
 
 // The state of the default generator of `device`: what torch.get_rng_state() (CPU) and
-// torch.cuda.get_rng_state(device) return.
+// torch.cuda.get_rng_state(device) return, a contiguous CPU byte tensor (checked: the frame
+// compares two states by their bytes).
 at::Tensor generator_state(const at::Device& device);
 
 // Open a frame on this thread, inside those already open on it, as `frame` says.
