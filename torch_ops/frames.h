@@ -1,7 +1,7 @@
 // frames.h: the one way attention calls reach the stash.
 //
 // The installer opens a frame around each forward of a stashed layer, on the thread that runs
-// it (attnstash/install/core.py, run_in_frame), and closes it when the forward returns or
+// it (attnstash/install/core.py, run_frame), and closes it when the forward returns or
 // raises. While the innermost frame of a thread keeps, every call of
 // aten::scaled_dot_product_attention that thread makes on CPU or CUDA tensors (F.sdpa by any
 // name, torch._C._nn's, nn.MultiheadAttention's, a library's own entry around it) is

@@ -35,7 +35,7 @@ bool saved_tensor_hooks_pushed();
 // The phase of one forward of a stashed layer (a frame: frames.h), the rule above read as the
 // forward starts, before any attention call, from the same state. The frame opens by it
 // (frames.h: whether its calls keep, what it owns), the installer checks and refuses by it
-// (attnstash/install/core.py, open_frame), and each call is then still decided by phase_of.
+// (attnstash/install/core.py, run_frame), and each call is then still decided by phase_of.
 // `outer_grad`: whether a backward can reach the layer's checkpoint, as seen from the call outside
 // it (1 yes, 0 no, -1 where it cannot be seen): grad mode on there and one of the checkpoint's
 // tensor inputs requiring grad, without which a reentrant checkpoint gives its output no node

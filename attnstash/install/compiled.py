@@ -145,7 +145,7 @@ def layer_forward(layer, previous, args, kwargs, in_frame):
 
 def no_attention(stash):
     """The refusal of a stashed layer whose training forward called no attention (eager,
-    core.run_in_frame, and traced alike)."""
+    core.run_frame, and traced alike)."""
     return CheckpointingError(
         f"attnstash: {stash.name} is stashed, but its training forward called no "
         "F.scaled_dot_product_attention, so nothing was kept and the stash would save nothing. Its attention "

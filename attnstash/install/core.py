@@ -26,8 +26,8 @@ saved-tensor hooks, which may hand it a copy, a token module_call.py keeps for t
 Phase, frame and slots. Each forward of a stashed layer runs in a frame on its thread's
 stack, opened by the phase the forward starts in (ops.frame_phase: the rule and its cases are
 torch_ops/keep_replay.h's FramePhase). The native frame decides by it whether the forward's calls
-keep and what it owns (torch_ops/frames.h); open_frame, what it checks and refuses; the ops
-decide each call's phase again from what they see. Inside the native frame, which run_in_frame
+keep and what it owns (torch_ops/frames.h); run_frame, what it checks and refuses; the ops
+decide each call's phase again from what they see. Inside the native frame, which run_frame
 opens around the forward, its attention calls, by whatever name, go to the ops at the layer's
 slots; random_state.py says what the frame checks of the random state before each call.
 
@@ -39,7 +39,7 @@ import sys
 import torch
 
 from .. import ops
-from ..ops import FramePhase
+from ..ops import FramePhase, RandomCheck
 from . import compiled, dropout, module_call, offload, random_state, state
 from ..errors import CheckpointingError, KeepError, ReplayError
 from .found import ATTR, CHECKPOINT_FUNCTION
@@ -50,14 +50,14 @@ class LayerStash:
     reached, its class's forward, its slots, and the attention calls of its last first forward that kept (None
     before one; attention_layers prints it)."""
     __slots__ = ("index", "name", "reach", "slot_base", "calls", "forward", "kind", "pending", "install",
-                 "rng_noted", "checkpoint_call", "unseen", "__weakref__")
+                 "recompute_random", "checkpoint_call", "unseen", "__weakref__")
 
     def __init__(self, index, name, reach, install, forward=None, kind=""):
         self.index, self.name, self.reach, self.calls, self.kind = index, name, reach, None, kind  # kind: class name
         self.pending = []  # MODULE_CALL first forwards awaiting their recompute under a token (module_call.py)
         self.install = install  # the state.Install it belongs to (its offload among what it holds)
         install.layers += 1
-        self.rng_noted = False  # a first forward noted a random state for its recompute to check (random_state.py)
+        self.recompute_random = ops.RandomCheck.none  # what its recomputes check of the random state (random_state.py)
         self.forward = forward  # the layer class's forward function (what torch.compile traces: compiled.py)
         self.checkpoint_call = None  # its CheckpointCall, for the checkpoint function it last read (stand_in)
         self.unseen = False  # a training forward with grad off ran outside its Run (_eager_forward)
@@ -77,32 +77,36 @@ def stash_of(layer):
 class Frame:
     """One forward of a stashed layer on this thread: a first forward (which may keep) or a
     recompute (which replays), by its `phase` (ops.frame_phase); its attention calls reach the ops
-    through the native frame run_in_frame opens for it (torch_ops/frames.h), which says whether
+    through the native frame run_frame opens for it (torch_ops/frames.h), which says whether
     they do (`keep`) and releases what an interrupted reentrant first forward kept. `limit`: the
     calls a recompute may make (its first forward's, where known). `random`: what the native
-    frame checks of the random state (random_state.first_check, recompute_check), from
-    `random_input`'s device. `anchor`: what the ops anchor on: the token where one is held
-    (open_frame's `token`, Run.token), else the layer input. `kept`: the ids of the records its
-    calls kept, where it has a `mover`; `moved`: offload.py's, for those records, moved after it.
-    Built by open_frame alone."""
+    frame checks of the random state (random_state.py), from `random_input`'s device. `anchor`:
+    what the ops anchor on: the token where one is held (run_frame's `token`, Run.token), else
+    the layer input. `kept`: the ids of the records its calls kept, where it has a `mover`;
+    `moved`: offload.py's, for those records, moved after it. Built by run_frame alone."""
     __slots__ = ("stash", "anchor", "phase", "keep", "first", "calls", "limit", "random", "random_input", "kept",
                  "mover", "moved")
 
 
 _new_frame = object.__new__
+_UNSEEN = random_state.first_check(None)  # a first forward's check where its checkpoint cannot be seen
 
-def open_frame(stash, anchor, phase, limit=None, preserves=None, token=None):
-    """The frame of one forward of a stashed layer, by the phase it starts in (`phase`:
-    ops.frame_phase's; run_in_frame's native frame decides by it whether its calls keep, and owns
-    what an interrupted reentrant first forward kept). `limit`: for a recompute, how many
-    attention calls its first forward made; `preserves`: whether its checkpoint restores the
-    random state for the recompute (preserves_rng). None: cannot be seen. `token`: what the ops
-    anchor on in place of the layer input `anchor`, where a Run holds one (Run.token). With a
-    token, `anchor` is read only by a first forward whose `preserves` is not True (the random
-    state's device) or whose layer has its own offload (offload.mover_for), and may be None
-    otherwise (Run.__call__ reads it only then)."""
+
+def run_frame(stash, fn, args, kwargs, phase, anchor=None, limit=None, random=_UNSEEN, token=None):
+    """fn(*args, **kwargs) as one forward of a stashed layer, in the frame of the phase it starts
+    in (`phase`: ops.frame_phase's): the native frame open around it (torch_ops/frames.h: it
+    decides by the phase whether the forward's calls keep, and owns what an interrupted reentrant
+    first forward kept), and the frame on this thread's stack (state.thread.frames), for the
+    installer's own questions. Returns (fn's output, the Frame). One function, not an open and a
+    run: each Python call on this path is paid cold inside a training step.
+    `limit`: for a recompute, how many attention calls its first forward made; `random`: for a
+    first forward, the random check (random_state.first_check of its checkpoint function; where
+    that cannot be seen, the default). `token`: what the ops anchor on in place of the layer input
+    `anchor`, where a Run holds one (Run.token). With a token, `anchor` is read only by a first
+    forward whose `random` is not none (the random state's device) or whose layer has its own
+    offload (offload.mover_for), and may be None otherwise (Run.__call__ reads it only then)."""
     if phase <= FramePhase.recompute_without_grad:  # a recompute: it makes the calls its first forward made
-        first, mover, random = False, None, random_state.recompute_check(stash)
+        first, mover, random = False, None, stash.recompute_random
     else:
         if phase == FramePhase.outside_checkpoint:
             raise CheckpointingError(
@@ -118,7 +122,7 @@ def open_frame(stash, anchor, phase, limit=None, preserves=None, token=None):
                 "copy of it, and with no node before the checkpoint nothing can tie the recompute to its first "
                 "forward for as long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), "
                 "use non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
-        first, random = True, random_state.first_check(preserves)
+        first = True
         mover = offload.mover_for(stash, anchor, phase == FramePhase.non_reentrant_first) \
             if token is not None and offload.may_move(stash, phase) else None
     frame = _new_frame(Frame)  # (no __init__: a Python call less per forward)
@@ -126,17 +130,11 @@ def open_frame(stash, anchor, phase, limit=None, preserves=None, token=None):
     frame.random, frame.random_input = random, anchor
     frame.anchor = anchor if token is None else token
     frame.keep, frame.kept, frame.mover, frame.moved = False, None, mover, None
-    return frame
-
-
-def run_in_frame(frame, fn, args, kwargs):
-    """fn(*args, **kwargs) in `frame`: the native frame open around it (torch_ops/frames.h), and
-    the frame on this thread's stack (state.thread.frames), for the installer's own questions."""
     frames = state.thread.frames
     frames.append(frame)
     try:
-        frame.keep = ops.frame_open(frame.anchor, frame.stash.slot_base, -1 if frame.limit is None else frame.limit,
-                                    frame.phase, frame.mover is not None, frame.random, frame.random_input)
+        frame.keep = ops.frame_open(frame.anchor, stash.slot_base, -1 if limit is None else limit, phase,
+                                    mover is not None, random, anchor)
     except BaseException:
         frames.remove(frame)
         raise
@@ -146,7 +144,7 @@ def run_in_frame(frame, fn, args, kwargs):
         # (an interrupted forward, an error or Ctrl-C: the native frame releases what it owns)
         frame.calls, frame.kept, noted, failure = ops.frame_close(True)
         if noted:
-            frame.stash.rng_noted = True
+            stash.recompute_random = random_state.NOTED
         if failure is not None:
             raise frame_error(frame, *failure, error) from (error if failure[0] == ops.Failure.op else None)
         raise
@@ -154,14 +152,14 @@ def run_in_frame(frame, fn, args, kwargs):
         frames.remove(frame)
     frame.calls, frame.kept, noted, _ = ops.frame_close(False)
     if noted:
-        frame.stash.rng_noted = True
-    if frame.first and frame.keep:  # a first forward that keeps must have called attention
-        frame.stash.calls = frame.calls
-        if frame.calls == 0 and not compiled.calls_the_ops(frame.stash.kind):
-            raise compiled.no_attention(frame.stash)
-    if frame.mover is not None and frame.kept:
-        frame.moved = offload.move_out(frame.mover, frame.kept)
-    return out
+        stash.recompute_random = random_state.NOTED
+    if first and frame.keep:  # a first forward that keeps must have called attention
+        stash.calls = frame.calls
+        if frame.calls == 0 and not compiled.calls_the_ops(stash.kind):
+            raise compiled.no_attention(stash)
+    if mover is not None and frame.kept:
+        frame.moved = offload.move_out(mover, frame.kept)
+    return out, frame
 
 
 def frame_error(frame, why, message, dropout_p, error):
@@ -205,8 +203,11 @@ def stashed_forward(layer, *args, **kwargs):
 
 def _eager_forward(layer, forward, args, kwargs):
     stash = layer.__dict__.get(ATTR)
-    if stash is None or state.active(stash):  # not stashed, or inside its Run (which has the frame)
+    if stash is None:
         return forward(*args, **kwargs)
+    for frame in state.thread.frames:  # inside its Run, which has the frame
+        if frame.stash is stash:
+            return forward(*args, **kwargs)
     phase = ops.frame_phase(-1)  # (the call outside its checkpoint is not seen here)
     if stash.reach is CHECKPOINT_FUNCTION and layer.training:
         if getattr(layer, "gradient_checkpointing", False):
@@ -247,8 +248,7 @@ def in_frame(stash, forward, args, kwargs, phase=None):
         if _ran_before_the_install(stash):
             return forward(*args, **kwargs)
         module_call.refuse_an_untied_recompute(stash, anchor)
-    frame = open_frame(stash, anchor, phase, token=entry and entry.token)
-    out = run_in_frame(frame, forward, args, kwargs)
+    out, frame = run_frame(stash, forward, args, kwargs, phase, anchor, token=entry and entry.token)
     if frame.moved is not None:
         entry.moved = frame.moved  # (a first forward: its entry holds what offload.py moved)
     return out
@@ -307,37 +307,37 @@ def stand_in(layer, checkpoint):
 class CheckpointCall:
     """Stands in for a CHECKPOINT_FUNCTION layer's checkpoint function: calls it with a Run of
     the layer's forward, from outside the checkpoint, where the grad mode of the call and the
-    graph of its output can be seen. `preserves`: preserves_rng of the function. `traced`: made
+    graph of its output can be seen. `random`: what its Runs' first forwards check of the random
+    state (random_state.first_check of preserves_rng of the function). `traced`: made
     while torch.compile traces (stand_in), where it is called in the same trace (a layer reads
     its checkpoint function as it calls it)."""
-    __slots__ = ("stash", "checkpoint", "preserves", "traced")
+    __slots__ = ("stash", "checkpoint", "random", "traced")
 
     def __init__(self, stash, checkpoint, traced):
-        self.stash, self.checkpoint, self.preserves, self.traced = stash, checkpoint, preserves_rng(checkpoint), traced
+        self.stash, self.checkpoint, self.traced = stash, checkpoint, traced
+        self.random = random_state.first_check(preserves_rng(checkpoint))
 
     def __call__(self, fn, *args, **kwargs):
         if self.traced:  # compiled.py
             return compiled.checkpoint_call(self.stash, self.checkpoint, fn, args, kwargs, in_frame)
+        # Whether a backward can reach the checkpoint, as seen from outside it (Run.outer_grad,
+        # ops.frame_phase): grad mode is on and one of its tensor arguments requires grad. A reentrant
+        # checkpoint gives its output a node only then: one whose inputs need no grad (a frozen model
+        # part fed by frozen embeddings, a patcher run for its outputs) is never recomputed, and its
+        # first forward keeps nothing.
+        outer_grad = False
+        if torch.is_grad_enabled():
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.requires_grad:
+                    outer_grad = True
+                    break
         run = _new_run(Run, fn)  # (Run has no __new__ or __init__ of its own: a Python call less per checkpoint call)
-        run.stash, run.fn, run.outer_grad, run.preserves = self.stash, fn, _outer_grad(args), self.preserves
+        run.stash, run.fn, run.outer_grad, run.random = self.stash, fn, outer_grad, self.random
         run.kept_calls, run.token, run.moved = None, ops.NEW_TOKEN(), None
         return self.checkpoint(run, *args, **kwargs)
 
 
 _new_run = functools.partial.__new__
-
-
-def _outer_grad(args):
-    """Whether a backward can reach a checkpoint called with `args`, as seen from outside it (a
-    Run's outer_grad, ops.frame_phase): grad mode is on and one of its tensor arguments requires
-    grad. A reentrant checkpoint gives its output a node only then: one whose inputs need no
-    grad (a frozen model part fed by frozen embeddings, a patcher run for its outputs) is never
-    recomputed, and its first forward keeps nothing."""
-    if torch.is_grad_enabled():
-        for arg in args:
-            if isinstance(arg, torch.Tensor) and arg.requires_grad:
-                return True
-    return False
 
 
 class Run(functools.partial):
@@ -349,11 +349,11 @@ class Run(functools.partial):
     holds it for the recompute (the checkpoint's graph) holds its token, and so what its first
     forward kept: a graph dropped without a backward releases it."""
     # Made by CheckpointCall alone: `fn`, the forward; `outer_grad`, whether a backward can reach
-    # the checkpoint from outside (_outer_grad); `preserves`, preserves_rng of the checkpoint function; `kept_calls`,
+    # the checkpoint from outside (CheckpointCall.__call__); `random`, its first forward's random check (CheckpointCall); `kept_calls`,
     # the attention calls the first forward kept (None before it, 0: it kept nothing); `token`,
     # what the ops anchor on (Anchor, above: ops.new_token); `moved`, what offload.py moved off
     # the device after the first forward.
-    __slots__ = ("stash", "fn", "outer_grad", "preserves", "kept_calls", "token", "moved")
+    __slots__ = ("stash", "fn", "outer_grad", "random", "kept_calls", "token", "moved")
 
     def __getattr__(self, name):
         return getattr(self.fn, name)
@@ -365,14 +365,13 @@ class Run(functools.partial):
             if self.moved is not None:
                 self.moved.fetch()
             limit = self.kept_calls if self.kept_calls is not None else 0
-            return run_in_frame(open_frame(stash, None, phase, limit=limit, token=self.token), self.fn, args, kwargs)
+            return run_frame(stash, self.fn, args, kwargs, phase, limit=limit, token=self.token)[0]
         reached = state.thread.reached
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
-        # The layer input, only where the first forward reads it (open_frame says when); the ops anchor on the token.
+        # The layer input, only where the first forward reads it (run_frame says when); the ops anchor on the token.
         anchor = state.anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None)) \
-            if self.preserves is not True or stash.install.offload is not None else None
-        frame = open_frame(stash, anchor, phase, preserves=self.preserves, token=self.token)
-        out = run_in_frame(frame, self.fn, args, kwargs)
+            if self.random is not RandomCheck.none or stash.install.offload is not None else None
+        out, frame = run_frame(stash, self.fn, args, kwargs, phase, anchor, random=self.random, token=self.token)
         self.kept_calls, self.moved = (frame.calls if frame.keep else 0), frame.moved
         return out
 

@@ -82,7 +82,7 @@ def pending_for(stash, layer_input, phase):
 def _for_first_forward(stash, layer_input, grad):
     """A new entry for a first forward under saved-tensor hooks (or with the layer's own
     offload), or None where none can be held for as long as its recompute may come (a reentrant
-    checkpoint of a leaf input: open_frame refuses it under hooks)."""
+    checkpoint of a leaf input: core.run_frame refuses it under hooks)."""
     holder = layer_input.grad_fn
     if holder is None and not grad:
         return None

@@ -24,10 +24,10 @@ def first_check(preserves):
     return ops.RandomCheck.refuse if preserves is False else ops.RandomCheck.note
 
 
-def recompute_check(stash):
-    """The check a recompute's frame makes: each call whose record noted a state must be made in
-    that state. Only for a layer whose first forwards noted one (LayerStash.rng_noted)."""
-    return ops.RandomCheck.check if stash.rng_noted else ops.RandomCheck.none
+# The check a recompute's frame makes: each call whose record noted a state must be made in that
+# state. Only for a layer whose first forwards noted one: its LayerStash.recompute_random is none
+# until then, NOTED after (core.run_frame sets it as its native frame says it noted one).
+NOTED = ops.RandomCheck.check
 
 
 def refusal(name):

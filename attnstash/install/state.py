@@ -50,14 +50,6 @@ def innermost_frame():
     return frames[-1] if frames else None
 
 
-def active(stash):
-    """Whether this thread runs a frame of `stash`."""
-    for frame in thread.frames:
-        if frame.stash is stash:
-            return True
-    return False
-
-
 def _callback_unknown():
     return True
 
