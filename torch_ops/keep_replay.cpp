@@ -16,7 +16,9 @@ bool inside_backward() { return torch::autograd::get_current_graph_task_id() != 
 
 bool backward_keeps_graph() { return inside_backward() && torch::autograd::get_current_graph_task_keep_graph(); }
 
-bool saved_tensor_hooks_pushed() { return !at::SavedTensorDefaultHooks::get_tls_state().stack.empty(); }
+bool saved_tensor_hooks_pushed() { return saved_tensor_hooks_depth() != 0; }
+
+size_t saved_tensor_hooks_depth() { return at::SavedTensorDefaultHooks::get_tls_state().stack.size(); }
 
 namespace {
 

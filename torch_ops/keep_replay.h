@@ -28,9 +28,11 @@ enum class Phase {
 Phase phase_of(const SdpaCall& call, const at::Tensor& anchor);
 
 // The facts the rules above read from this thread's autograd state: whether a backward pass
-// runs, and whether saved-tensor hooks are pushed (a non-reentrant checkpoint's, offloading's).
+// runs, and whether saved-tensor hooks are pushed (a non-reentrant checkpoint's, offloading's),
+// and how many pairs (the installer's offload.py: whether any lies below a checkpoint's own).
 bool inside_backward();
 bool saved_tensor_hooks_pushed();
+size_t saved_tensor_hooks_depth();
 
 // The phase of one forward of a stashed layer (a frame: frames.h), the rule above read as the
 // forward starts, before any attention call, from the same state. The frame opens by it
