@@ -123,7 +123,7 @@ SLOTS_PER_RANGE = NATIVE.slots_per_range
 """How many slots a range holds: the most attention calls one forward of a layer may make."""
 frame_depth = NATIVE.frame_depth
 """How many frames are open on this thread."""
-saved_hooks_depth = NATIVE.saved_hooks_depth
+saved_tensor_hooks_depth = NATIVE.saved_tensor_hooks_depth
 """How many saved-tensor hook pairs this thread has pushed (torch.autograd.graph.saved_tensors_hooks,
 a non-reentrant checkpoint's own): offload.py reads below the top pair only where there is one."""
 set_compiled_attention = NATIVE._set_compiled_attention

@@ -211,10 +211,10 @@ static PyObject* record_id(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   END_HANDLE_TH_ERRORS
 }
 
-// saved_hooks_depth() -> int: how many saved-tensor hook pairs this thread has pushed
+// saved_tensor_hooks_depth() -> int: how many saved-tensor hook pairs this thread has pushed
 // (keep_replay.h), for attnstash/install/offload.py to tell, without popping the top pair, that
 // none lies below a non-reentrant checkpoint's own.
-static PyObject* saved_hooks_depth(PyObject*, PyObject*) {
+static PyObject* saved_tensor_hooks_depth(PyObject*, PyObject*) {
   return PyLong_FromSize_t(attnstash::saved_tensor_hooks_depth());
 }
 
@@ -240,7 +240,7 @@ static PyMethodDef attnstash_methods[] = {
     {"frame_depth", frame_depth, METH_NOARGS, "How many frames are open on this thread."},
     {"record_id", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_id)), METH_FASTCALL,
      "The id of the record held for (anchor, slot), 0 if none: the stash_record_id op's kernel (records.h)."},
-    {"saved_hooks_depth", saved_hooks_depth, METH_NOARGS,
+    {"saved_tensor_hooks_depth", saved_tensor_hooks_depth, METH_NOARGS,
      "How many saved-tensor hook pairs this thread has pushed (torch_ops/keep_replay.h)."},
     {"recomputed", recomputed, METH_NOARGS,
      "How many attention calls torch's own kernel ran in a backward with grad on (frames.h)."},

@@ -42,7 +42,7 @@ def mover_for(stash, layer_input, grad):
     own = stash.install.offload
     if own is not None:
         return own if own.takes(layer_input) else None
-    if grad and ops.saved_hooks_depth() < 2:  # only the checkpoint's own (the common case: no pop and push)
+    if grad and ops.saved_tensor_hooks_depth() < 2:  # only the checkpoint's own (the common case: no pop and push)
         return None
     top = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if top is None or not grad:

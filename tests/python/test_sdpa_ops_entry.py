@@ -4,7 +4,7 @@ attnstash::sdpa_fwd_keep on the frame's anchor at its next slot (the same output
 record kept and replayed, the same error), on the thread that opened it only, and outside every
 frame torch's own. And ops.NEW_TOKEN, its entry to attnstash::_new_token: the kernel called from C,
 the binding where a mode would see the call; ops.record_id, stash_record_id's kernel called from C;
-ops.saved_hooks_depth, the depth of torch's saved-tensor hook stack."""
+ops.saved_tensor_hooks_depth, the depth of torch's saved-tensor hook stack."""
 import sys
 import threading
 import time
@@ -303,8 +303,8 @@ def test_other_threads_run_python_while_a_frame_s_op_runs():
     assert during > 0
 
 
-def test_saved_hooks_depth_counts_this_thread_s_hook_pairs():
-    """ops.saved_hooks_depth, which offload.py reads before looking below a non-reentrant
+def test_saved_tensor_hooks_depth_counts_this_thread_s_hook_pairs():
+    """ops.saved_tensor_hooks_depth, which offload.py reads before looking below a non-reentrant
     checkpoint's own hooks, counts the pairs pushed on this thread, as torch's stack holds them: 0
     outside, one more for each saved_tensors_hooks (and for a non-reentrant checkpoint's forward),
     back as each exits; another thread's are its own."""
@@ -313,20 +313,20 @@ def test_saved_hooks_depth_counts_this_thread_s_hook_pairs():
     seen = []
 
     def inside_checkpoint(x):
-        seen.append(ops.saved_hooks_depth())
+        seen.append(ops.saved_tensor_hooks_depth())
         return x * 2
 
-    assert ops.saved_hooks_depth() == 0
+    assert ops.saved_tensor_hooks_depth() == 0
     with torch.autograd.graph.saved_tensors_hooks(same, same):
-        assert ops.saved_hooks_depth() == 1
+        assert ops.saved_tensor_hooks_depth() == 1
         with torch.autograd.graph.saved_tensors_hooks(same, same):
-            assert ops.saved_hooks_depth() == 2
+            assert ops.saved_tensor_hooks_depth() == 2
             other = []
-            thread = threading.Thread(target=lambda: other.append(ops.saved_hooks_depth()))
+            thread = threading.Thread(target=lambda: other.append(ops.saved_tensor_hooks_depth()))
             thread.start()
             thread.join()
             assert other == [0]
-        assert ops.saved_hooks_depth() == 1
+        assert ops.saved_tensor_hooks_depth() == 1
         x = torch.ones(2, requires_grad=True)
         torch.utils.checkpoint.checkpoint(inside_checkpoint, x, use_reentrant=False).sum().backward()
-    assert seen[0] == 2 and ops.saved_hooks_depth() == 0
+    assert seen[0] == 2 and ops.saved_tensor_hooks_depth() == 0
