@@ -75,17 +75,14 @@ def stash_of(layer):
 # ---- frames ------------------------------------------------------------------------------------
 
 class Frame:
-    """One forward of a stashed layer on this thread: a first forward (which may keep) or a
-    recompute (which replays), by its `phase` (ops.frame_phase); its attention calls reach the ops
-    through the native frame run_frame opens for it (torch_ops/frames.h), which says whether
-    they do (`keep`) and releases what an interrupted reentrant first forward kept. `limit`: the
-    calls a recompute may make (its first forward's, where known). `random`: what the native
-    frame checks of the random state (random_state.py), from `random_input`'s device. `anchor`:
-    what the ops anchor on: the token where one is held (run_frame's `token`, Run.token), else
-    the layer input. `kept`: the ids of the records its calls kept, where it has a `mover`;
-    `moved`: offload.py's, for those records, moved after it. Built by run_frame alone."""
-    __slots__ = ("stash", "anchor", "phase", "keep", "first", "calls", "limit", "random", "random_input", "kept",
-                 "mover", "moved")
+    """One forward of a stashed layer on this thread, as the installer sees it: a `first` forward
+    (which may keep) or a recompute (which replays); its attention calls reach the ops through the
+    native frame run_frame opens for it (torch_ops/frames.h), which says whether they do
+    (`keep`), how many it made (`calls`) and releases what an interrupted reentrant first forward
+    kept. `limit`: the calls a recompute may make (its first forward's, where known), for
+    frame_error. `moved`: what offload.py moved off the device after a first forward. Built by
+    run_frame alone."""
+    __slots__ = ("stash", "first", "limit", "keep", "calls", "moved")
 
 
 _new_frame = object.__new__
@@ -126,15 +123,13 @@ def run_frame(stash, fn, args, kwargs, phase, anchor=None, limit=None, random=_U
         mover = offload.mover_for(stash, anchor, phase == FramePhase.non_reentrant_first) \
             if token is not None and offload.may_move(stash, phase) else None
     frame = _new_frame(Frame)  # (no __init__: a Python call less per forward)
-    frame.stash, frame.phase, frame.first, frame.calls, frame.limit = stash, phase, first, 0, limit
-    frame.random, frame.random_input = random, anchor
-    frame.anchor = anchor if token is None else token
-    frame.keep, frame.kept, frame.mover, frame.moved = False, None, mover, None
+    frame.stash, frame.first, frame.limit, frame.keep, frame.calls, frame.moved = stash, first, limit, False, 0, None
     frames = state.thread.frames
     frames.append(frame)
     try:
-        frame.keep = ops.frame_open(frame.anchor, stash.slot_base, -1 if limit is None else limit, phase,
-                                    mover is not None, random, anchor)
+        # The ops anchor on the token where one is held, else on the layer input.
+        frame.keep = ops.frame_open(anchor if token is None else token, stash.slot_base, -1 if limit is None else limit,
+                                    phase, mover is not None, random, anchor)
     except BaseException:
         frames.remove(frame)
         raise
@@ -142,7 +137,7 @@ def run_frame(stash, fn, args, kwargs, phase, anchor=None, limit=None, random=_U
         out = fn(*args, **kwargs)
     except BaseException as error:
         # (an interrupted forward, an error or Ctrl-C: the native frame releases what it owns)
-        frame.calls, frame.kept, noted, failure = ops.frame_close(True)
+        frame.calls, _, noted, failure = ops.frame_close(True)
         if noted:
             stash.recompute_random = random_state.NOTED
         if failure is not None:
@@ -150,15 +145,15 @@ def run_frame(stash, fn, args, kwargs, phase, anchor=None, limit=None, random=_U
         raise
     finally:
         frames.remove(frame)
-    frame.calls, frame.kept, noted, _ = ops.frame_close(False)
+    frame.calls, kept, noted, _ = ops.frame_close(False)
     if noted:
         stash.recompute_random = random_state.NOTED
     if first and frame.keep:  # a first forward that keeps must have called attention
         stash.calls = frame.calls
         if frame.calls == 0 and not compiled.calls_the_ops(stash.kind):
             raise compiled.no_attention(stash)
-    if mover is not None and frame.kept:
-        frame.moved = offload.move_out(mover, frame.kept)
+    if mover is not None and kept:
+        frame.moved = offload.move_out(mover, kept)
     return out, frame
 
 
@@ -349,10 +344,10 @@ class Run(functools.partial):
     holds it for the recompute (the checkpoint's graph) holds its token, and so what its first
     forward kept: a graph dropped without a backward releases it."""
     # Made by CheckpointCall alone: `fn`, the forward; `outer_grad`, whether a backward can reach
-    # the checkpoint from outside (CheckpointCall.__call__); `random`, its first forward's random check (CheckpointCall); `kept_calls`,
-    # the attention calls the first forward kept (None before it, 0: it kept nothing); `token`,
-    # what the ops anchor on (Anchor, above: ops.new_token); `moved`, what offload.py moved off
-    # the device after the first forward.
+    # the checkpoint from outside (CheckpointCall.__call__); `random`, its first forward's random
+    # check (CheckpointCall.random); `kept_calls`, the attention calls the first forward kept (None
+    # before it, 0: it kept nothing); `token`, what the ops anchor on (Anchor, above:
+    # ops.new_token); `moved`, what offload.py moved off the device after the first forward.
     __slots__ = ("stash", "fn", "outer_grad", "random", "kept_calls", "token", "moved")
 
     def __getattr__(self, name):
