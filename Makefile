@@ -2,7 +2,8 @@
 #
 #   make demo       the main job: fine-tune a small decoder without and with the stash
 #   make test       venv + build + GoogleTest (ctest) + pytest; the Hugging Face tests again
-#                   under each transformers of HF_ALSO; timm; LLaMA-Factory and axolotl (a venv each)
+#                   under each transformers of HF_ALSO; timm; LLaMA-Factory and axolotl (a venv each,
+#                   removed once its tests have run unless KEEP_VENVS=1)
 #   make sanitize   the C registry suite under ASan+UBSan, and under TSan
 #   make bench      python -m benchmarks (BENCH_ARGS="--mode layer", "--mode soak", ...)
 #   make sweep      every model type of each transformers, and every diffusers model class
@@ -106,17 +107,24 @@ print-hf-tests:
 print-hf-pins:
 	@echo $(filter-out transformers==% $(HF_WITHOUT),$(PINS))
 
+# The venvs `make test` makes besides the main one (one per transformers of HF_ALSO, timm's, one per
+# tool) take about 17 GB together, more than some CI machines have free: each is removed once its
+# tests have run, so that one at a time is on disk. KEEP_VENVS=1 keeps them for the next run.
+KEEP_VENVS ?=
+HF_VENV = $(MAKE) --no-print-directory venv VENV=.venv-hf-$$v TRANSFORMERS=transformers==$$v TORCH=$(TORCH) WITHOUT='$(HF_WITHOUT)'
+
 hf-venvs: build
 ifndef NO_VENV
-	@for v in $(HF_ALSO); do $(MAKE) --no-print-directory venv VENV=.venv-hf-$$v TRANSFORMERS=transformers==$$v TORCH=$(TORCH) \
-	  WITHOUT='$(HF_WITHOUT)' || exit 1; done
+	@for v in $(HF_ALSO); do $(HF_VENV) || exit 1; done
 endif
 
-test-hf-also: hf-venvs
+test-hf-also: build
 ifndef NO_VENV
 	@rc=0; for v in $(HF_ALSO); do \
+	  $(HF_VENV) || exit 1; \
 	  echo "== the Hugging Face tests under transformers $$v"; \
 	  PYTHONPATH=$(CURDIR) .venv-hf-$$v/bin/python -m pytest $(HF_TESTS) -q -p no:cacheprovider $(PYTEST_ARGS) || rc=1; \
+	  $(if $(KEEP_VENVS),,rm -rf .venv-hf-$$v;) \
 	done; exit $$rc
 endif
 
@@ -136,13 +144,14 @@ ifndef NO_VENV
 	fi
 	ATTNSTASH_BUILD_DIR=$(abspath build/$(notdir $(TIMM_VENV))) CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) \
 	  $(TIMM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation --no-deps .
-	cd $(TIMM_VENV) && bin/python -m pytest $(CURDIR)/tests/python/test_timm.py -q -p no:cacheprovider $(PYTEST_ARGS)
+	@rc=0; (cd $(TIMM_VENV) && bin/python -m pytest $(CURDIR)/tests/python/test_timm.py -q -p no:cacheprovider $(PYTEST_ARGS)) \
+	  || rc=1; $(if $(KEEP_VENVS),,rm -rf $(TIMM_VENV) build/$(notdir $(TIMM_VENV));) exit $$rc
 endif
 
 # LLaMA-Factory and axolotl pin transformers releases of their own: a venv each (tests/tools/run.sh).
 test-tools: build
 ifndef NO_VENV
-	BOOTSTRAP_PYTHON=$(BOOTSTRAP_PYTHON) TORCH=$(TORCH) bash tests/tools/run.sh
+	BOOTSTRAP_PYTHON=$(BOOTSTRAP_PYTHON) TORCH=$(TORCH) KEEP_VENVS=$(KEEP_VENVS) bash tests/tools/run.sh
 endif
 
 test: test-cpp test-python test-hf-also test-timm test-tools

@@ -3,7 +3,8 @@
 # the test environment's: LLaMA-Factory 0.9.5 accepts at most 5.6.0, axolotl 0.19.0 exactly 5.16.1),
 # run by tests/tools/test_lf_axolotl.py: `make test-tools`. Each venv gets the Makefile's torch, the
 # tool and pytest, and uses the tree's own build (PYTHONPATH; the same torch), with ATTNSTASH_LAYERS's
-# start-up line in its site-packages. A venv is made once per requirement list (a stamp file).
+# start-up line in its site-packages. A venv is made once per requirement list (a stamp file) and
+# removed once its tests have run unless KEEP_VENVS is set (the Makefile's KEEP_VENVS says why).
 #
 # LLaMA-Factory imports torchvision and torchaudio, whose PyPI wheels for torch 2.13 are CUDA builds
 # that do not load next to the CPU torch: torchvision is removed from its venv (text training does not
@@ -43,5 +44,6 @@ for tool in llamafactory axolotl; do
   echo "== $tool"
   (cd "$ROOT" && PYTHONPATH=$ROOT "$ROOT/.venv-$tool/bin/python" -m pytest tests/tools/test_lf_axolotl.py -q \
      -p no:cacheprovider -rs) || rc=1
+  [ -n "${KEEP_VENVS:-}" ] || rm -rf "$ROOT/.venv-$tool"
 done
 exit $rc
