@@ -74,8 +74,10 @@ def _flux3_inputs(g):
                                        indexing="ij"), -1).reshape(-1, 4)
     text = torch.zeros(6, 4)
     text[:, 3] = torch.arange(6.0)
+    # With an image condition: its blocks (mode_blocks["image_cond"]) run only when one is given.
     return dict(hidden_states=_randn(g, 1, 16, 8), encoder_hidden_states=_randn(g, 1, 6, 16),
-                timestep=torch.tensor([0.5]), img_ids=image, txt_ids=text)
+                timestep=torch.tensor([0.5]), img_ids=image, txt_ids=text,
+                image_cond_hidden_states=_randn(g, 1, 16, 8), image_cond_ids=image.clone())
 
 
 def _qwen21_inputs(g):
