@@ -115,6 +115,15 @@ frame_close = NATIVE.frame_close
 frame; `interrupted`: its forward raised, and what the frame owns is released. `ids`: the records
 its calls kept (opened with `collect`); `noted`: a call noted a random state on its record;
 `failure`: (Failure, message, dropout_p) of the call it refused."""
+frame_run = NATIVE.frame_run
+"""(fn, args, kwargs, anchor, slot_base, limit, phase, collect, random, random_input) -> (fn's
+output, calls, keep, ids or None, noted): fn(*args, **kwargs) (`kwargs` a dict or None) in a frame
+opened as frame_open opens it and closed as it returns, as frame_close(False) closes it. Where fn
+raises, the frame closes as interrupted and fn's error propagates: frame_interrupted() then gives
+that frame's (noted, failure or None)."""
+frame_interrupted = NATIVE.frame_interrupted
+"""() -> (noted, failure or None): what the frame of this thread's last frame_run whose forward
+raised said as it closed, as frame_close(True) would have."""
 new_slot_base = NATIVE.new_slot_base
 """() -> int: the first slot of a range of SLOTS_PER_RANGE no one else has (a stashed layer's, or
 a compiled layer class's): its k-th attention call is slot base + k (csrc/stash_registry.h,
@@ -123,6 +132,9 @@ SLOTS_PER_RANGE = NATIVE.slots_per_range
 """How many slots a range holds: the most attention calls one forward of a layer may make."""
 frame_depth = NATIVE.frame_depth
 """How many frames are open on this thread."""
+frame_is_open = NATIVE.frame_is_open
+"""(slot_base) -> bool: whether a frame of the layer whose first slot is `slot_base` is open on this
+thread, at any depth."""
 saved_tensor_hooks_depth = NATIVE.saved_tensor_hooks_depth
 """How many saved-tensor hook pairs this thread has pushed (torch.autograd.graph.saved_tensors_hooks,
 a non-reentrant checkpoint's own): offload.py reads below the top pair only where there is one."""

@@ -208,6 +208,12 @@ Frame close(bool interrupted) {
 
 size_t depth() { return open_frames.size(); }
 
+bool is_open(int64_t slot_base) {
+  for (const Frame& frame : open_frames)
+    if (frame.slot_base == slot_base) return true;
+  return false;
+}
+
 int64_t recomputed() { return recomputed_calls.load(std::memory_order_relaxed); }
 
 void set_compiled_attention(CompiledAttention hook) { compiled_attention.store(hook); }

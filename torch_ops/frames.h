@@ -107,6 +107,11 @@ Frame close(bool interrupted = false);
 // How many frames are open on this thread.
 size_t depth();
 
+// Whether a frame whose layer's first slot is `slot_base` is open on this thread (at any depth):
+// the installer asks it as a stashed layer's forward starts, to tell one that its own frame
+// already runs (a Run's) from one that needs a frame (attnstash/install/core.py, _eager_forward).
+bool is_open(int64_t slot_base);
+
 // How many attention calls torch's own kernel has run in a backward with grad on, in this
 // process: recomputes the stash did not serve (a layer not stashed, or a stashed one run as
 // without the stash). A declined or demoted record's recompute runs its backend's forward, not

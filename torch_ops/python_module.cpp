@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <string>
 
 #include "frames.h"
 #include "keep_replay.h"
@@ -65,13 +66,10 @@ static PyObject* new_token(PyObject*, PyObject*) {
 // for none, `phase` a FramePhase value (keep_replay.h), `random` a frames::RandomCheck value,
 // `random_input` the layer input whose device's generator state starts a note or refuse check
 // (else None).
-static PyObject* frame_open(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  HANDLE_TH_ERRORS
-  if (nargs != 7 || !THPVariable_Check(args[0])) {
-    PyErr_SetString(PyExc_TypeError,
-                    "attnstash: _C.frame_open takes (anchor tensor, slot_base, limit, phase, collect, random, "
-                    "random_input)");
-    return nullptr;
+static bool open_frame(PyObject* const* args, const char* name, bool* keep) {
+  if (!THPVariable_Check(args[0])) {
+    PyErr_Format(PyExc_TypeError, "attnstash: _C.%s: the anchor is not a tensor", name);
+    return false;
   }
   attnstash::frames::Frame frame;
   frame.anchor = THPVariable_Unpack(args[0]);
@@ -79,20 +77,49 @@ static PyObject* frame_open(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
   frame.limit = PyLong_AsLongLong(args[2]);
   const long long phase = PyLong_AsLongLong(args[3]);
   const long long random = PyLong_AsLongLong(args[5]);
-  if (PyErr_Occurred()) return nullptr;
+  if (PyErr_Occurred()) return false;
   if (phase < 0 || phase > static_cast<long long>(attnstash::FramePhase::outside_checkpoint) || random < 0 ||
       random > static_cast<long long>(attnstash::frames::RandomCheck::check)) {
-    PyErr_Format(PyExc_ValueError, "attnstash: _C.frame_open: phase %lld or random check %lld is not one of "
-                 "attnstash.ops.FramePhase's or RandomCheck's values", phase, random);
-    return nullptr;
+    PyErr_Format(PyExc_ValueError, "attnstash: _C.%s: phase %lld or random check %lld is not one of "
+                 "attnstash.ops.FramePhase's or RandomCheck's values", name, phase, random);
+    return false;
   }
   frame.collect = PyObject_IsTrue(args[4]) == 1;
   frame.random = static_cast<attnstash::frames::RandomCheck>(random);
   at::Tensor random_input;
   if (THPVariable_Check(args[6])) random_input = THPVariable_Unpack(args[6]);
-  return PyBool_FromLong(
-      attnstash::frames::open(std::move(frame), static_cast<attnstash::FramePhase>(phase), random_input));
+  *keep = attnstash::frames::open(std::move(frame), static_cast<attnstash::FramePhase>(phase), random_input);
+  return true;
+}
+
+static PyObject* frame_open(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError,
+                    "attnstash: _C.frame_open takes (anchor tensor, slot_base, limit, phase, collect, random, "
+                    "random_input)");
+    return nullptr;
+  }
+  bool keep = false;
+  if (!open_frame(args, "frame_open", &keep)) return nullptr;
+  return PyBool_FromLong(keep);
   END_HANDLE_TH_ERRORS
+}
+
+// The ids a closed frame listed (a frame opened with `collect`), or None.
+static PyObject* listed_ids(const attnstash::frames::Frame& frame) {
+  if (!frame.collect) Py_RETURN_NONE;
+  PyObject* ids = PyList_New(static_cast<Py_ssize_t>(frame.ids.size()));
+  if (ids == nullptr) return nullptr;
+  for (size_t i = 0; i < frame.ids.size(); ++i)
+    PyList_SET_ITEM(ids, static_cast<Py_ssize_t>(i), PyLong_FromLongLong(frame.ids[i]));
+  return ids;
+}
+
+// (Failure value, message, dropout_p) of the call a closed frame refused, or None.
+static PyObject* failure_of(const attnstash::frames::Frame& frame) {
+  if (frame.failure == attnstash::frames::Failure::none) Py_RETURN_NONE;
+  return Py_BuildValue("(Lsd)", static_cast<long long>(frame.failure), frame.message.c_str(), frame.dropout_p);
 }
 
 // frame_close(interrupted) -> (calls, ids or None, noted, failure): `interrupted`: the forward
@@ -101,24 +128,91 @@ static PyObject* frame_open(PyObject*, PyObject* const* args, Py_ssize_t nargs) 
 static PyObject* frame_close(PyObject*, PyObject* interrupted) {
   HANDLE_TH_ERRORS
   attnstash::frames::Frame frame = attnstash::frames::close(PyObject_IsTrue(interrupted) == 1);
-  PyObject* ids = Py_None;
-  Py_INCREF(ids);
-  if (frame.collect) {
-    Py_SETREF(ids, PyList_New(static_cast<Py_ssize_t>(frame.ids.size())));
-    if (ids == nullptr) return nullptr;
-    for (size_t i = 0; i < frame.ids.size(); ++i)
-      PyList_SET_ITEM(ids, static_cast<Py_ssize_t>(i), PyLong_FromLongLong(frame.ids[i]));
+  return Py_BuildValue("(LNON)", static_cast<long long>(frame.calls), listed_ids(frame),
+                       frame.noted ? Py_True : Py_False, failure_of(frame));
+  END_HANDLE_TH_ERRORS
+}
+
+// What frame_run's frame said when its forward raised, until frame_interrupted takes it: this
+// thread's, reset as each frame_run starts.
+static thread_local bool interrupted_noted = false;
+static thread_local attnstash::frames::Failure interrupted_failure = attnstash::frames::Failure::none;
+static thread_local std::string interrupted_message;
+static thread_local double interrupted_dropout_p = 0.0;
+
+// frame_run(fn, args, kwargs, anchor, slot_base, limit, phase, collect, random, random_input)
+// -> (fn's output, calls, keep, ids or None, noted): fn(*args, **kwargs) (`kwargs` a dict or
+// None) in a frame opened as frame_open opens it, closed as it returns, as frame_close(False)
+// closes it: one call in place of three on the installer's hot path. Where fn raises, the frame
+// closes as interrupted (what it owns is released) and fn's error propagates; frame_interrupted()
+// then says what frame_close(True) would have.
+static PyObject* frame_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  interrupted_noted = false;
+  interrupted_failure = attnstash::frames::Failure::none;
+  if (nargs != 10 || !PyTuple_Check(args[1]) || (args[2] != Py_None && !PyDict_Check(args[2]))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "attnstash: _C.frame_run takes (fn, args tuple, kwargs dict or None, anchor tensor, slot_base, "
+                    "limit, phase, collect, random, random_input)");
+    return nullptr;
   }
-  if (frame.failure == attnstash::frames::Failure::none)
-    return Py_BuildValue("(LNOO)", static_cast<long long>(frame.calls), ids, frame.noted ? Py_True : Py_False,
-                         Py_None);
-  return Py_BuildValue("(LNO(Lsd))", static_cast<long long>(frame.calls), ids, frame.noted ? Py_True : Py_False,
-                       static_cast<long long>(frame.failure), frame.message.c_str(), frame.dropout_p);
+  bool keep = false;
+  if (!open_frame(args + 3, "frame_run", &keep)) return nullptr;
+  PyObject* out = PyObject_Call(args[0], args[1], args[2] == Py_None ? nullptr : args[2]);
+  if (out == nullptr) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    attnstash::frames::Frame frame;
+    try {
+      frame = attnstash::frames::close(true);
+    } catch (...) {
+      Py_XDECREF(type);
+      Py_XDECREF(value);
+      Py_XDECREF(traceback);
+      throw;
+    }
+    interrupted_noted = frame.noted;
+    interrupted_failure = frame.failure;
+    interrupted_message = std::move(frame.message);
+    interrupted_dropout_p = frame.dropout_p;
+    PyErr_Restore(type, value, traceback);
+    return nullptr;
+  }
+  attnstash::frames::Frame frame;
+  try {
+    frame = attnstash::frames::close(false);
+  } catch (...) {
+    Py_DECREF(out);
+    throw;
+  }
+  return Py_BuildValue("(NLONO)", out, static_cast<long long>(frame.calls), keep ? Py_True : Py_False,
+                       listed_ids(frame), frame.noted ? Py_True : Py_False);
+  END_HANDLE_TH_ERRORS
+}
+
+// frame_interrupted() -> (noted, failure or None): what the frame of this thread's last frame_run
+// whose forward raised said as it closed (frame_close's `noted` and `failure`).
+static PyObject* frame_interrupted(PyObject*, PyObject*) {
+  HANDLE_TH_ERRORS
+  PyObject* failure = Py_None;
+  Py_INCREF(failure);
+  if (interrupted_failure != attnstash::frames::Failure::none)
+    Py_SETREF(failure, Py_BuildValue("(Lsd)", static_cast<long long>(interrupted_failure),
+                                     interrupted_message.c_str(), interrupted_dropout_p));
+  if (failure == nullptr) return nullptr;
+  return Py_BuildValue("(ON)", interrupted_noted ? Py_True : Py_False, failure);
   END_HANDLE_TH_ERRORS
 }
 
 static PyObject* frame_depth(PyObject*, PyObject*) {
   return PyLong_FromSize_t(attnstash::frames::depth());
+}
+
+// frame_is_open(slot_base) -> bool: frames.h, is_open.
+static PyObject* frame_is_open(PyObject*, PyObject* slot_base) {
+  const long long base = PyLong_AsLongLong(slot_base);
+  if (base == -1 && PyErr_Occurred()) return nullptr;
+  return PyBool_FromLong(attnstash::frames::is_open(base));
 }
 
 // ---- compiled frames: the installer's hook (frames.h, CompiledAttention) ------------------------
@@ -235,9 +329,17 @@ static PyMethodDef attnstash_methods[] = {
     {"frame_close", frame_close, METH_O,
      "Close this thread's innermost frame (interrupted: its forward raised): (calls, ids or None, noted, failure "
      "or None)."},
+    {"frame_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(frame_run)), METH_FASTCALL,
+     "fn(*args, **kwargs) in a frame (torch_ops/frames.h): (fn, args, kwargs, anchor, slot_base, limit, phase, "
+     "collect, random, random_input) -> (out, calls, keep, ids or None, noted)."},
+    {"frame_interrupted", frame_interrupted, METH_NOARGS,
+     "What the frame of this thread's last frame_run whose forward raised said as it closed: (noted, failure or "
+     "None)."},
     {"new_slot_base", new_slot_base, METH_NOARGS,
      "The first slot of a new range of slots_per_range (csrc/stash_registry.h, stash_new_slot_range)."},
     {"frame_depth", frame_depth, METH_NOARGS, "How many frames are open on this thread."},
+    {"frame_is_open", frame_is_open, METH_O,
+     "Whether a frame whose layer's first slot is slot_base is open on this thread (frames.h, is_open)."},
     {"record_id", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(record_id)), METH_FASTCALL,
      "The id of the record held for (anchor, slot), 0 if none: the stash_record_id op's kernel (records.h)."},
     {"saved_tensor_hooks_depth", saved_tensor_hooks_depth, METH_NOARGS,

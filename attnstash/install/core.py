@@ -74,44 +74,42 @@ def stash_of(layer):
 
 # ---- frames ------------------------------------------------------------------------------------
 
-class Frame:
-    """One forward of a stashed layer on this thread, as the installer sees it: a `first` forward
-    (which may keep) or a recompute (which replays); its attention calls reach the ops through the
-    native frame run_frame opens for it (torch_ops/frames.h), which says whether they do
-    (`keep`), how many it made (`calls`) and releases what an interrupted reentrant first forward
-    kept. `limit`: the calls a recompute may make (its first forward's, where known), for
-    frame_error. `moved`: what offload.py moved off the device after a first forward. Built by
-    run_frame alone."""
-    __slots__ = ("stash", "first", "limit", "keep", "calls", "moved")
-
-
-_new_frame = object.__new__
+# FramePhase and RandomCheck values as plain ints, read on the hot path (a global, where the enum
+# class's attribute is a lookup through its metaclass).
+_RECOMPUTE = int(FramePhase.recompute)
+_RECOMPUTE_WITHOUT_GRAD = int(FramePhase.recompute_without_grad)
+_REENTRANT_FIRST_HOOKED = int(FramePhase.reentrant_first_hooked)
+_NON_REENTRANT_FIRST = int(FramePhase.non_reentrant_first)
+_OUTSIDE_CHECKPOINT = int(FramePhase.outside_checkpoint)
+_RANDOM_NONE = RandomCheck.none
 _UNSEEN = random_state.first_check(None)  # a first forward's check where its checkpoint cannot be seen
 
 
 def run_frame(stash, fn, args, kwargs, phase, anchor=None, limit=None, random=_UNSEEN, token=None):
-    """fn(*args, **kwargs) as one forward of a stashed layer, in the frame of the phase it starts
-    in (`phase`: ops.frame_phase's): the native frame open around it (torch_ops/frames.h: it
-    decides by the phase whether the forward's calls keep, and owns what an interrupted reentrant
-    first forward kept), and the frame on this thread's stack (state.thread.frames), for the
-    installer's own questions. Returns (fn's output, the Frame). One function, not an open and a
-    run: each Python call on this path is paid cold inside a training step.
+    """fn(*args, **kwargs) as one forward of a stashed layer, in the native frame of the phase it
+    starts in (`phase`: ops.frame_phase's), open around it on this thread (ops.frame_run;
+    torch_ops/frames.h: it decides by the phase whether the forward's calls keep, and owns what an
+    interrupted reentrant first forward kept; ops.frame_is_open finds it). Returns (fn's output,
+    the attention calls it made, whether they kept, what offload.py moved off the device after a
+    first forward or None).
+    One function, not an open and a run: each Python call on this path is paid cold inside a
+    training step.
     `limit`: for a recompute, how many attention calls its first forward made; `random`: for a
     first forward, the random check (random_state.first_check of its checkpoint function; where
     that cannot be seen, the default). `token`: what the ops anchor on in place of the layer input
     `anchor`, where a Run holds one (Run.token). With a token, `anchor` is read only by a first
     forward whose `random` is not none (the random state's device) or whose layer has its own
     offload (offload.mover_for), and may be None otherwise (Run.__call__ reads it only then)."""
-    if phase <= FramePhase.recompute_without_grad:  # a recompute: it makes the calls its first forward made
+    if phase <= _RECOMPUTE_WITHOUT_GRAD:  # a recompute: it makes the calls its first forward made
         first, mover, random = False, None, stash.recompute_random
     else:
-        if phase == FramePhase.outside_checkpoint:
+        if phase == _OUTSIDE_CHECKPOINT:
             raise CheckpointingError(
                 f"attnstash: {stash.name} is stashed, but its training forward runs outside any activation "
                 "checkpoint (grad mode on, outside backward, no checkpoint's saved-tensor hooks), so there is no "
                 "recompute to save and the stash could only cost memory. Checkpoint this layer (reentrant or not), "
                 "or do not stash it.")
-        if phase == FramePhase.reentrant_first_hooked and token is None and anchor.requires_grad:
+        if phase == _REENTRANT_FIRST_HOOKED and token is None and anchor.requires_grad:
             raise CheckpointingError(
                 f"attnstash: {stash.name} runs a reentrant checkpoint under saved-tensor hooks (offloaded "
                 "checkpointing: torch.autograd.graph.save_on_cpu, or an offloading context), and its input is a "
@@ -120,54 +118,43 @@ def run_frame(stash, fn, args, kwargs, phase, anchor=None, limit=None, random=_U
                 "forward for as long as the graph lives. Feed the layer the output of an op (e.g. the embedding's), "
                 "use non-reentrant checkpointing, turn offloading off for it, or do not stash it.")
         first = True
-        mover = offload.mover_for(stash, anchor, phase == FramePhase.non_reentrant_first) \
+        mover = offload.mover_for(stash, anchor, phase == _NON_REENTRANT_FIRST) \
             if token is not None and offload.may_move(stash, phase) else None
-    frame = _new_frame(Frame)  # (no __init__: a Python call less per forward)
-    frame.stash, frame.first, frame.limit, frame.keep, frame.calls, frame.moved = stash, first, limit, False, 0, None
-    frames = state.thread.frames
-    frames.append(frame)
+    # The ops anchor on the token where one is held, else on the layer input.
     try:
-        # The ops anchor on the token where one is held, else on the layer input.
-        frame.keep = ops.frame_open(anchor if token is None else token, stash.slot_base, -1 if limit is None else limit,
-                                    phase, mover is not None, random, anchor)
-    except BaseException:
-        frames.remove(frame)
-        raise
-    try:
-        out = fn(*args, **kwargs)
+        out, calls, keep, kept, noted = ops.frame_run(fn, args, kwargs, anchor if token is None else token,
+                                                      stash.slot_base, -1 if limit is None else limit, phase,
+                                                      mover is not None, random, anchor)
     except BaseException as error:
-        # (an interrupted forward, an error or Ctrl-C: the native frame releases what it owns)
-        frame.calls, _, noted, failure = ops.frame_close(True)
+        # (an interrupted forward, an error or Ctrl-C: the native frame released what it owns)
+        noted, failure = ops.frame_interrupted()
         if noted:
             stash.recompute_random = random_state.NOTED
         if failure is not None:
-            raise frame_error(frame, *failure, error) from (error if failure[0] == ops.Failure.op else None)
+            raise frame_error(stash, first, limit, *failure, error) \
+                from (error if failure[0] == ops.Failure.op else None)
         raise
-    finally:
-        frames.remove(frame)
-    frame.calls, kept, noted, _ = ops.frame_close(False)
     if noted:
         stash.recompute_random = random_state.NOTED
-    if first and frame.keep:  # a first forward that keeps must have called attention
-        stash.calls = frame.calls
-        if frame.calls == 0 and not compiled.calls_the_ops(stash.kind):
+    if first and keep:  # a first forward that keeps must have called attention
+        stash.calls = calls
+        if calls == 0 and not compiled.calls_the_ops(stash.kind):
             raise compiled.no_attention(stash)
-    if mover is not None and kept:
-        frame.moved = offload.move_out(mover, kept)
-    return out, frame
+    return out, calls, keep, (offload.move_out(mover, kept) if mover is not None and kept else None)
 
 
-def frame_error(frame, why, message, dropout_p, error):
-    """The installer's error for a call the native frame refused (torch_ops/frames.h, Failure),
+def frame_error(stash, first, limit, why, message, dropout_p, error):
+    """The installer's error for a call the native frame of a forward of `stash` (a `first` one, or
+    a recompute whose first forward made `limit` calls) refused (torch_ops/frames.h, Failure),
     `error` the one that call raised."""
-    name = frame.stash.name
+    name = stash.name
     if why == ops.Failure.op:
         holder = dropout.holder(dropout_p, error.__traceback__) if dropout_p else ""
-        return (KeepError if frame.first else ReplayError)(f"attnstash: {name}: {message}{holder}")
+        return (KeepError if first else ReplayError)(f"attnstash: {name}: {message}{holder}")
     if why == ops.Failure.limit:
         return CheckpointingError(
             f"attnstash: {name}: its recompute calls attention more often than its first forward did "
-            f"({frame.limit} times): the recompute does not repeat the first forward, so the kept outputs cannot "
+            f"({limit} times): the recompute does not repeat the first forward, so the kept outputs cannot "
             "stand in for its attention. Do not stash this layer.")
     return random_state.refusal(name)
 
@@ -189,31 +176,25 @@ def stashed_forward(layer, *args, **kwargs):
         return compiled.layer_forward(layer, previous, args, kwargs, in_frame)
     forward = previous if previous is not None else type(layer).forward.__get__(layer)
     if state.dynamo_callback() is None:  # plain eager: nothing for torch.compiler.disable to turn off
-        frames = state.thread.frames
-        if frames and frames[-1].stash is layer.__dict__.get(ATTR):  # inside its Run, which has the frame
-            return forward(*args, **kwargs)
         return _eager_forward(layer, forward, args, kwargs)
     return _eager_forward_undynamoed(layer, forward, args, kwargs)
 
 
 def _eager_forward(layer, forward, args, kwargs):
     stash = layer.__dict__.get(ATTR)
-    if stash is None:
+    if stash is None or ops.frame_is_open(stash.slot_base):  # not stashed, or inside its Run, which has the frame
         return forward(*args, **kwargs)
-    for frame in state.thread.frames:  # inside its Run, which has the frame
-        if frame.stash is stash:
-            return forward(*args, **kwargs)
     phase = ops.frame_phase(-1)  # (the call outside its checkpoint is not seen here)
     if stash.reach is CHECKPOINT_FUNCTION and layer.training:
         if getattr(layer, "gradient_checkpointing", False):
             # Its frames come from its Run, which a training forward must reach. A reentrant
             # first forward runs without grad, where this cannot be told from a no-grad forward;
             # its recompute, which runs in backward with grad and without a Run, can.
-            if phase == FramePhase.recompute:
+            if phase == _RECOMPUTE:
                 if _ran_before_the_install(stash):
                     return forward(*args, **kwargs)
                 raise _unreached(stash, layer, recompute=True)
-            if phase != FramePhase.non_reentrant_first and phase != FramePhase.outside_checkpoint:  # grad off
+            if phase != _NON_REENTRANT_FIRST and phase != _OUTSIDE_CHECKPOINT:  # grad off
                 stash.unseen = True
                 return forward(*args, **kwargs)
             reached = state.thread.reached
@@ -222,11 +203,11 @@ def _eager_forward(layer, forward, args, kwargs):
             if reached.get(stash.slot_base, 0) == before:
                 raise _unreached(stash, layer, recompute=False)
             return out
-        if phase == FramePhase.outside_checkpoint:
+        if phase == _OUTSIDE_CHECKPOINT:
             raise compiled.checkpointing_off(stash)
     # Eval and generation: untouched; a recompute follows its first forward, whatever the
     # training flag says by then.
-    if not layer.training and phase > FramePhase.recompute_without_grad:
+    if not layer.training and phase > _RECOMPUTE_WITHOUT_GRAD:
         return forward(*args, **kwargs)
     return in_frame(stash, forward, args, kwargs, phase)
 
@@ -239,13 +220,13 @@ def in_frame(stash, forward, args, kwargs, phase=None):
         phase = ops.frame_phase(-1)
     anchor = state.anchor_of(stash, args, kwargs)
     entry = module_call.pending_for(stash, anchor, phase)
-    if entry is None and phase == FramePhase.recompute:
+    if entry is None and phase == _RECOMPUTE:
         if _ran_before_the_install(stash):
             return forward(*args, **kwargs)
         module_call.refuse_an_untied_recompute(stash, anchor)
-    out, frame = run_frame(stash, forward, args, kwargs, phase, anchor, token=entry and entry.token)
-    if frame.moved is not None:
-        entry.moved = frame.moved  # (a first forward: its entry holds what offload.py moved)
+    out, _, _, moved = run_frame(stash, forward, args, kwargs, phase, anchor, token=entry and entry.token)
+    if moved is not None:
+        entry.moved = moved  # (a first forward: its entry holds what offload.py moved)
     return out
 
 
@@ -356,7 +337,7 @@ class Run(functools.partial):
     def __call__(self, *args, **kwargs):
         stash = self.stash
         phase = ops.frame_phase(self.outer_grad)
-        if phase <= FramePhase.recompute_without_grad:
+        if phase <= _RECOMPUTE_WITHOUT_GRAD:
             if self.moved is not None:
                 self.moved.fetch()
             limit = self.kept_calls if self.kept_calls is not None else 0
@@ -365,9 +346,10 @@ class Run(functools.partial):
         reached[stash.slot_base] = reached.get(stash.slot_base, 0) + 1
         # The layer input, only where the first forward reads it (run_frame says when); the ops anchor on the token.
         anchor = state.anchor_of(stash, args, kwargs, getattr(self.fn, "keywords", None)) \
-            if self.random is not RandomCheck.none or stash.install.offload is not None else None
-        out, frame = run_frame(stash, self.fn, args, kwargs, phase, anchor, random=self.random, token=self.token)
-        self.kept_calls, self.moved = (frame.calls if frame.keep else 0), frame.moved
+            if self.random is not _RANDOM_NONE or stash.install.offload is not None else None
+        out, calls, keep, self.moved = run_frame(stash, self.fn, args, kwargs, phase, anchor, random=self.random,
+                                                 token=self.token)
+        self.kept_calls = calls if keep else 0
         return out
 
 

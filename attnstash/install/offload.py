@@ -25,13 +25,16 @@ from ..errors import ReplayError
 _lock = threading.Lock()
 
 
+_HOOKED = (int(FramePhase.non_reentrant_first), int(FramePhase.reentrant_first_hooked))  # (ints: on the hot path)
+_REENTRANT_FIRST = int(FramePhase.reentrant_first)
+
+
 def may_move(stash, phase):
     """Whether what a first forward starting in `phase` (ops.frame_phase) keeps may be moved off
     the device after it: under saved-tensor hooks (the user's offloading around a reentrant
     checkpoint, a non-reentrant checkpoint's own over any of the user's), or, a reentrant one, with
     the layer's own offload. (mover_for says by what.)"""
-    return phase == FramePhase.non_reentrant_first or phase == FramePhase.reentrant_first_hooked or \
-        (phase == FramePhase.reentrant_first and stash.install.offload is not None)
+    return phase in _HOOKED or (phase == _REENTRANT_FIRST and stash.install.offload is not None)
 
 
 def mover_for(stash, layer_input, grad):

@@ -33,21 +33,15 @@ class Install:
 
 
 class _Thread(threading.local):
-    """What one thread runs: `frames`, the frames of stashed layers' forwards (core.Frame),
-    innermost last; `reached`, {a stashed layer's slot base: first forwards its Runs started}
-    (core.Run). Read as attributes (`state.thread.frames`) on the installer's hot path."""
+    """What one thread runs: `reached`, {a stashed layer's slot base: first forwards its Runs
+    started} (core.Run). Read as an attribute (`state.thread.reached`) on the installer's hot path.
+    (The frames of stashed layers' forwards are native: torch_ops/frames.h.)"""
 
     def __init__(self):
-        self.frames, self.reached = [], {}
+        self.reached = {}
 
 
 thread = _Thread()
-
-
-def innermost_frame():
-    """This thread's innermost frame, or None outside every stashed layer's forward."""
-    frames = thread.frames
-    return frames[-1] if frames else None
 
 
 def _callback_unknown():

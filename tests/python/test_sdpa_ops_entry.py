@@ -245,6 +245,58 @@ def test_a_call_the_op_refuses_raises_its_error_and_the_frame_says_why():
         ops.frame_close(False)
 
 
+def test_frame_run_opens_calls_and_closes_in_one_call_and_an_interrupted_one_releases_what_it_owns():
+    """ops.frame_run, the installer's way into a frame (core.run_frame): fn's output and what the
+    frame_close after it would say; while fn runs, ops.frame_is_open finds the frame by its slot
+    base. Where fn raises (an error, Ctrl-C), the error propagates, the frame is closed and releases
+    what it kept (a reentrant first forward owns it), and ops.frame_interrupted says why."""
+    q, k, v = qkv(torch.float32, 4, 4, 16)
+    anchor = anchor_for(q)
+    first, none = ops.FramePhase.reentrant_first, ops.RandomCheck.none
+    seen = []
+
+    def attend(scale=None):
+        seen.append((ops.frame_is_open(7), ops.frame_is_open(7 + ops.SLOTS_PER_RANGE), ops.frame_depth()))
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    want = attend()
+    with torch.no_grad():
+        out, calls, keep, ids, noted = ops.frame_run(attend, (), {"scale": None}, anchor, 7, -1, first, True, none,
+                                                     None)
+    assert torch.equal(out, want) and (calls, keep, noted) == (1, True, False)
+    assert ids == [ops.record_id(anchor, 7)] and ids[0] != 0
+    assert seen == [(False, False, 0), (True, False, 1)] and not ops.frame_is_open(7) and ops.frame_depth() == 0
+    ops.stash_clear()
+
+    other = anchor_for(q)
+
+    def interrupted():
+        F.scaled_dot_product_attention(q, k, v)
+        assert ops.record_id(other, 0) != 0
+        raise KeyboardInterrupt
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        ops.frame_run(interrupted, (), None, other, 0, -1, first, False, none, None)
+    assert ops.frame_depth() == 0 and ops.record_id(other, 0) == 0 and attnstash.stash_stats()["records"] == 0
+    assert ops.frame_interrupted() == (False, None)
+
+    def twice():  # a recompute that calls attention more often than its first forward
+        return F.scaled_dot_product_attention(q, k, v) + F.scaled_dot_product_attention(q, k, v)
+
+    def recompute():
+        with pytest.raises(RuntimeError, match="more often than its first forward did .1 times"):
+            ops.frame_run(twice, (), None, other, 0, 1, ops.FramePhase.recompute, False, none, None)
+        return ops.frame_interrupted()
+    with torch.no_grad():
+        ops.frame_run(F.scaled_dot_product_attention, (q, k, v), None, other, 0, -1, first, False, none, None)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    noted, failure = in_a_recompute(recompute)
+    assert not noted and failure[0] == ops.Failure.limit and ops.frame_depth() == 0
+    assert attnstash.stash_stats()["records"] == 0  # the first call took the record
+    with pytest.raises(TypeError, match="frame_run takes .fn, args tuple, kwargs dict or None"):
+        ops.frame_run(twice, [], None, other, 0, 0, first, False, none, None)
+    assert ops.frame_interrupted() == (False, None)  # reset as each frame_run starts
+
+
 def test_a_frame_routes_only_the_calls_of_its_own_thread():
     q, k, v = qkv(torch.float32, 4, 4, 16)
     anchor = anchor_for(q)

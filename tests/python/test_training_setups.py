@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attnstash
-from attnstash.install import core, state
+from attnstash import ops
 from tiny_models import assert_bitwise_equal, batch, clone, loss_and_grads, tiny_model
 
 MODES = {"reentrant": True, "non-reentrant": False}
@@ -32,7 +32,7 @@ def counts():
 def assert_nothing_held():
     s = attnstash.stash_stats()
     assert s["records"] == 0 and s["bytes"] == 0, s
-    assert state.innermost_frame() is None, "a forward left its frame on this thread"
+    assert ops.frame_depth() == 0, "a forward left its frame on this thread"
 
 
 
