@@ -11,6 +11,7 @@
     --mode compile    the decoder under torch.compile, with and without the stash, SAC: compiled.py
     --mode instructions  the host work per stashed layer, attnstash's and the seed's design's,
                       in instructions (callgrind) and time: instructions.py
+    --mode opcodes    the Python of that work, in bytecode instructions counted exactly: opcodes.py
 
 Every configuration of a run is measured side by side in one process (harness.py): interleaved
 rounds, set-up outside the clock, medians, loss and every gradient checked bitwise. Output: tables
@@ -26,7 +27,7 @@ from attnstash import budget
 from .harness import cpu_threads
 from .models import PRESETS, dtype_name, make_shape
 
-MODES = ("model", "layer", "profile", "seq-sweep", "soak", "dit", "host", "compile", "instructions")
+MODES = ("model", "layer", "profile", "seq-sweep", "soak", "dit", "host", "compile", "instructions", "opcodes")
 
 
 def _list(convert):
@@ -100,7 +101,7 @@ def parse_args(argv=None):
     if args.preset not in presets:
         p.error(f"--preset {args.preset} is not a{' dit' if dit else ' decoder'} preset: {', '.join(presets)}")
     args.repeats_given, args.warmup_given = args.repeats is not None, args.warmup is not None
-    host = args.mode in ("host", "instructions")
+    host = args.mode in ("host", "instructions", "opcodes")
     args.repeats = args.repeats if args.repeats_given else 300 if host else presets[args.preset]["repeats"]
     args.warmup = args.warmup if args.warmup_given else 20 if host else presets[args.preset]["warmup"]
     if args.repeats < 1 or args.warmup < 0:
@@ -124,10 +125,11 @@ def main(argv=None):
     if shape.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"benchmarks: the {args.preset} preset runs on CUDA, which this torch cannot use; "
                          "pass --device cpu (and a smaller shape) to run it here.")
-    from . import compiled, decoder, dit, instructions, profile, soak
+    from . import compiled, decoder, dit, instructions, opcodes, profile, soak
     run = {"model": decoder.model_mode, "layer": decoder.layer_mode, "profile": profile.profile_mode,
            "seq-sweep": decoder.seq_sweep, "soak": soak.soak_mode, "dit": dit.dit_mode, "host": dit.host_mode,
-           "compile": compiled.compile_mode, "instructions": instructions.instructions_mode}
+           "compile": compiled.compile_mode, "instructions": instructions.instructions_mode,
+           "opcodes": opcodes.opcodes_mode}
     threads = args.threads if args.threads is not None else (1 if shape.device == "cpu" else 0)
     with cpu_threads(threads):
         return run[args.mode](shape, args, Path(args.out) if args.out else None)

@@ -347,6 +347,25 @@ def test_instructions_mode_compares_designs_that_give_the_plain_step_bitwise(mon
     assert nothing_installed() and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
 
 
+def test_opcodes_mode_counts_each_design_s_python_exactly(tmp_path):
+    """Opcodes mode's counts are exact (the same step counted twice gives the same counts) and
+    name what each design runs: attnstash's frames in every stashed layer's forward and recompute,
+    the seed's design in place of transformers' attention entry, which it skips."""
+    from benchmarks import opcodes
+    assert opcodes.count("attnstash-all", "reentrant") == opcodes.count("attnstash-all", "reentrant")
+    report = bench_main(["--mode", "opcodes", "--out", str(tmp_path)])
+    assert set(report["per_stashed_layer"]["reentrant"]) == {"attnstash", "modulecall", "seed"}
+    assert set(report["per_stashed_layer"]["non-reentrant"]) == {"attnstash", "modulecall"}
+    for mode in ("reentrant", "non-reentrant"):
+        for design in ("attnstash", "modulecall"):
+            # two frames a stashed layer and step: its first forward's and its recompute's
+            assert report["by_function"][mode][design]["attnstash/install/core.py:run_frame"] > 0, (mode, design)
+    seed = report["by_function"]["reentrant"]["seed"]
+    assert seed["transformers/integrations/sdpa_attention.py:sdpa_attention_forward"] < 0
+    assert (tmp_path / "opcodes.json").exists()
+    assert nothing_installed() and attnstash.stash_stats()["records"] == 0
+
+
 @pytest.mark.parametrize("config", ["entry", "bare"])
 def test_instructions_mode_s_entry_count_runs_transformers_entry_around_its_stand_in(config):
     """run_entry (in a process of its own, as callgrind runs it: it replaces F.sdpa there) checks
