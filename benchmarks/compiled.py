@@ -13,7 +13,6 @@ gradients of each compiled run with the stash are compared bitwise with its mode
 Each run is compiled once, before the rounds, with the stash installed before compile traces
 (an install is part of what compile traces). Every run compiles under traceable_checkpoints()."""
 import contextlib
-import json
 
 import torch
 import torch._dynamo
@@ -25,6 +24,7 @@ from attnstash.install import compiled as compiled_frames
 from .harness import ATTENTION, environment, interleave, median_ms
 from attnstash import backends
 from .models import attention_forward, build_model, enable_checkpointing, plan, random_batch
+from .report import write as write_report
 
 SIDE_EFFECTS = "skip_fwd_side_effects_in_bwd_under_checkpoint"
 
@@ -167,7 +167,5 @@ def compile_mode(shape, args, out):
         saved = f"{r['saved_ms_per_layer']:11.3f} {r['efficiency']:10.2f}" if "saved_ms_per_layer" in r else " " * 22
         print(f"{r['name']:32} {r['graphs']:6} {r['nodes']:6} {r['attention_forwards_per_step']:9} "
               f"{r['median_ms']:9.2f} {saved}  {r.get('bitwise_vs_reference', '')}")
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compile.json").write_text(json.dumps(report, indent=2, default=str))
+    write_report(out, "compile", report)
     return report

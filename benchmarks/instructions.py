@@ -27,7 +27,6 @@ configuration are checked bitwise against the plain run's in one process first.
 import concurrent.futures
 import functools
 import gc
-import json
 import os
 import re
 import shutil
@@ -40,6 +39,8 @@ from pathlib import Path
 import torch
 
 import attnstash
+
+from . import report
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("attnstash-0", "attnstash-all", "modulecall-0", "modulecall-all", "seed-0", "seed-all")
@@ -298,10 +299,7 @@ def instructions_mode(shape, args, out):
     for mode, rows in result["against_plain"].items():
         for config, n in rows.items():
             print(f"  {mode:>13}, {config:>13}: {n:>+12,.0f}")
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "instructions.json").write_text(json.dumps(result, indent=2))
-        print(f"wrote {out / 'instructions.json'}")
+    report.write(out, "instructions", result)
     return result
 
 

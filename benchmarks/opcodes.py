@@ -14,11 +14,11 @@ torch's own kernels, what a Python call costs in C) is --mode instructions'.
     python -m benchmarks --mode opcodes
 """
 import collections
-import json
 import sys
 
 import torch
 
+from . import report
 from .instructions import DESIGNS, LAYERS, build, check, configs
 
 ROWS = 12  # functions listed per design and mode
@@ -79,8 +79,5 @@ def opcodes_mode(shape, args, out):
             print(f"\n  {mode:>13}, {design:>10}: {n:+8.1f}")
             for where, k in result["by_function"][mode][design].items():
                 print(f"      {k:+8.1f}  {where}")
-    if out:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "opcodes.json").write_text(json.dumps(result, indent=2))
-        print(f"wrote {out / 'opcodes.json'}")
+    report.write(out, "opcodes", result)
     return result
