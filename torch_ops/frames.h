@@ -2,7 +2,8 @@
 //
 // The installer opens a frame around each forward of a stashed layer, on the thread that runs
 // it, and closes it when the forward returns or raises (attnstash/install/core.py, run_frame:
-// one call, python_module.cpp's frame_run, opens the frame, runs the forward and closes it). While the innermost frame of a thread keeps, every call of
+// one call, python_module.cpp's frame_run, opens the frame, runs the forward and closes it).
+// While the innermost frame of a thread keeps, every call of
 // aten::scaled_dot_product_attention that thread makes on CPU or CUDA tensors (F.sdpa by any
 // name, torch._C._nn's, nn.MultiheadAttention's, a library's own entry around it) is
 // attnstash::sdpa_fwd_keep on the frame's anchor at slot `slot_base + k`, k the call's index in

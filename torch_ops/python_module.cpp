@@ -117,9 +117,9 @@ static PyObject* listed_ids(const attnstash::frames::Frame& frame) {
 }
 
 // (Failure value, message, dropout_p) of the call a closed frame refused, or None.
-static PyObject* failure_of(const attnstash::frames::Frame& frame) {
-  if (frame.failure == attnstash::frames::Failure::none) Py_RETURN_NONE;
-  return Py_BuildValue("(Lsd)", static_cast<long long>(frame.failure), frame.message.c_str(), frame.dropout_p);
+static PyObject* failure_of(attnstash::frames::Failure failure, const std::string& message, double dropout_p) {
+  if (failure == attnstash::frames::Failure::none) Py_RETURN_NONE;
+  return Py_BuildValue("(Lsd)", static_cast<long long>(failure), message.c_str(), dropout_p);
 }
 
 // frame_close(interrupted) -> (calls, ids or None, noted, failure): `interrupted`: the forward
@@ -129,7 +129,7 @@ static PyObject* frame_close(PyObject*, PyObject* interrupted) {
   HANDLE_TH_ERRORS
   attnstash::frames::Frame frame = attnstash::frames::close(PyObject_IsTrue(interrupted) == 1);
   return Py_BuildValue("(LNON)", static_cast<long long>(frame.calls), listed_ids(frame),
-                       frame.noted ? Py_True : Py_False, failure_of(frame));
+                       frame.noted ? Py_True : Py_False, failure_of(frame.failure, frame.message, frame.dropout_p));
   END_HANDLE_TH_ERRORS
 }
 
@@ -194,13 +194,8 @@ static PyObject* frame_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // whose forward raised said as it closed (frame_close's `noted` and `failure`).
 static PyObject* frame_interrupted(PyObject*, PyObject*) {
   HANDLE_TH_ERRORS
-  PyObject* failure = Py_None;
-  Py_INCREF(failure);
-  if (interrupted_failure != attnstash::frames::Failure::none)
-    Py_SETREF(failure, Py_BuildValue("(Lsd)", static_cast<long long>(interrupted_failure),
-                                     interrupted_message.c_str(), interrupted_dropout_p));
-  if (failure == nullptr) return nullptr;
-  return Py_BuildValue("(ON)", interrupted_noted ? Py_True : Py_False, failure);
+  return Py_BuildValue("(ON)", interrupted_noted ? Py_True : Py_False,
+                       failure_of(interrupted_failure, interrupted_message, interrupted_dropout_p));
   END_HANDLE_TH_ERRORS
 }
 
