@@ -8,7 +8,8 @@ inside loops over its ModuleLists; which collections those are is read from the 
 (the loop that binds the block: `for block in self.transformer_blocks`, `zip(...)`, `enumerate(...)`,
 nested loops, a local alias). A block has attention if it holds a diffusers attention module or
 a module class whose code calls F.scaled_dot_product_attention (found.calls_any). The default checkpoint function
-checkpoints the block's module call (MODULE_CALL).
+checkpoints the block's module call (MODULE_CALL). The structure lists the blocks that could be
+checkpointed (listed_blocks); those the reading leaves out are checked by what runs (unread.py).
 """
 import ast
 import functools
@@ -43,6 +44,40 @@ def find(model):
     found = [Found(b, names.get(id(b), ""), has_attention(b), MODULE_CALL)
              for b in sorted(blocks.values(), key=lambda b: order.get(id(b), 0))]
     return found or None
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def listed_blocks(model):
+    """{id: (name, block)} of the blocks with attention that a diffusers model's checkpointing
+    modules (those with a `gradient_checkpointing` attribute) hold in their module lists, dicts or
+    Sequentials (nested ones too), innermost (a block holding another such block is not one): the
+    blocks the model could checkpoint, from its structure alone. A superset of find's with
+    attention on every class of `make sweep` (tests/python/diffusers_blocks.py); those find leaves
+    out are the ones a model runs outside its checkpoints (Lumina2's refiners, UNetMotion's motion
+    modules), which the installer watches (install/unread.py). {} for a model that is not a
+    diffusers one."""
+    diffusers = sys.modules.get("diffusers")
+    if diffusers is None or not any(isinstance(m, diffusers.ModelMixin) for m in model.modules()):
+        return {}
+    held = {}
+    for owner in model.modules():
+        if hasattr(owner, "gradient_checkpointing"):
+            for child in owner.children():
+                if isinstance(child, _CONTAINERS):
+                    held.update((id(b), b) for b in _items(child) if has_attention(b))
+    names = {id(m): name for name, m in model.named_modules()}
+    return {key: (names.get(key, ""), b) for key, b in held.items()
+            if not any(id(m) in held for m in b.modules() if m is not b)}
+
+
+def _items(container):
+    for item in (container.values() if isinstance(container, torch.nn.ModuleDict) else container):
+        if isinstance(item, _CONTAINERS):
+            yield from _items(item)
+        elif isinstance(item, torch.nn.Module):
+            yield item
 
 
 def describe(model):

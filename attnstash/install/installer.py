@@ -4,7 +4,7 @@ import gc
 
 from .. import budget, ops
 from ..errors import InstallError
-from . import attaching, core, module_call, offload as offloading, state, transformers_adapter
+from . import attaching, core, module_call, offload as offloading, state, transformers_adapter, unread
 from .found import CHECKPOINT_FUNCTION
 from .layers import find_layers, layer_count
 
@@ -76,6 +76,8 @@ def install_attention_stash(model, num_layers=None, *, layers=None, filter_fn=No
                 attaching.attach(f.module, index,
                                  f"layer {index} ({f.name or 'the model'}, {type(f.module).__name__})", f.reach, install)
                 done.append(f.module)
+            if layers is None and filter_fn is None:  # found by reading: what runs checks it
+                install.watches = unread.watch(model, found)
             if limit is not None:
                 budget.push(install, limit)
                 install.budget = True
@@ -91,6 +93,8 @@ def install_attention_stash(model, num_layers=None, *, layers=None, filter_fn=No
 def _detach(module):
     """Unstash one layer; where it was its install's last, the install's budget ends with it."""
     ended = attaching.detach(module)
+    if ended is not None:
+        unread.stop(ended.watches)
     if ended is not None and ended.budget:
         ended.budget = False
         budget.pop(ended)

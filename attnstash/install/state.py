@@ -20,11 +20,13 @@ class Install:
     (core.LayerStash.install) share. `offload`: its offload.Own, or None; `budget`: whether it set a
     budget (budget.push, with this object as the token); `layers`: how many of its layers are
     still stashed. The install ends with the last of them (installer.py gives its budget back);
-    `compile_fell_back`: whether compiled.py has said that a checkpoint it traced ran eagerly."""
-    __slots__ = ("offload", "budget", "layers", "compile_fell_back")
+    `compile_fell_back`: whether compiled.py has said that a checkpoint it traced ran eagerly;
+    `watches`: the hooks on the blocks unread.py watches, which go when the install ends."""
+    __slots__ = ("offload", "budget", "layers", "compile_fell_back", "watches")
 
     def __init__(self, offload=None):
         self.offload, self.budget, self.layers, self.compile_fell_back = offload, False, 0, False
+        self.watches = []
 
     def __reduce__(self):
         # A copy of a model (attaching.copy_of) gets an install of its own: an offload of

@@ -4,6 +4,7 @@ bitwise the normal recompute's under both checkpointing modes, one keep per atte
 backward reaches and one replay per call its recompute makes, nothing held after; and the
 refusals. About a minute on 2 cores."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -57,7 +58,8 @@ def test_the_sweep_fails_a_class_whose_checkpointed_block_the_installer_misses(m
     read = diffusers_adapter.checkpointed_paths
     monkeypatch.setattr(diffusers_adapter, "checkpointed_paths",
                         lambda cls: frozenset(p for p in read(cls) if "single_transformer_blocks" not in p))
-    row = sweep_diffusers.check("FluxTransformer2DModel")
+    with pytest.warns(attnstash.StashWarning, match="its block single_transformer_blocks.0"):  # (as a user is told)
+        row = sweep_diffusers.check("FluxTransformer2DModel")
     assert row["outcome"].startswith("FAILED: the backward recomputes 1 attention calls outside the blocks"), row
     assert row["missed"] == {"single_transformer_blocks.0": 1}, row
 
@@ -129,3 +131,64 @@ def test_another_attention_backend_is_refused_at_its_first_training_forward():
     finally:
         attnstash.uninstall_attention_stash(model)
     assert attnstash.stash_stats()["records"] == 0
+
+
+def _hooked(model):
+    return sorted(name for name, m in model.named_modules() if m._forward_pre_hooks)
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_checkpointed_block_the_reading_misses_is_said_at_its_recompute(monkeypatch, reentrant):
+    # The reader made to miss Flux's single blocks: what runs (the block's recompute) tells, once.
+    from attnstash.install import diffusers_adapter
+    read = diffusers_adapter.checkpointed_paths
+    monkeypatch.setattr(diffusers_adapter, "checkpointed_paths",
+                        lambda cls: frozenset(p for p in read(cls) if "single_transformer_blocks" not in p))
+    model, inputs = tiny.build("FluxTransformer2DModel")
+    model.enable_gradient_checkpointing(tiny.checkpoint_function(reentrant))
+    assert attnstash.install_attention_stash(model) == [0]
+    try:
+        assert _hooked(model) == ["single_transformer_blocks.0"]
+        with pytest.warns(attnstash.StashWarning) as said:
+            tiny.loss_and_grads(model, inputs)
+        assert len(said) == 1, [str(w.message) for w in said]
+        assert ("FluxTransformer2DModel checkpoints its block single_transformer_blocks.0 "
+                "(FluxSingleTransformerBlock), which has attention") in str(said[0].message)
+        assert "filter_fn=" in str(said[0].message)
+        assert _hooked(model) == []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tiny.loss_and_grads(model, inputs)
+    finally:
+        attnstash.uninstall_attention_stash(model)
+
+
+@pytest.mark.parametrize("name, unread", [
+    ("Lumina2Transformer2DModel", ["context_refiner.0", "noise_refiner.0"]),
+    ("WanAnimateTransformer3DModel", ["face_adapter.0"]),
+])
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_blocks_a_model_runs_outside_its_checkpoints_are_watched_until_a_training_forward(name, unread, reentrant):
+    # Listed by the model's structure but not checkpointed, as the reading has it: no warning, the
+    # watch gone after one step; a copy is not watched, an uninstall removes what is left.
+    model, inputs = tiny.build(name)
+    model.enable_gradient_checkpointing(tiny.checkpoint_function(reentrant))
+    attnstash.install_attention_stash(model)
+    try:
+        assert _hooked(model) == unread
+        copied = copy.deepcopy(model)
+        with torch.no_grad():
+            model(**inputs)
+        assert _hooked(model) == unread  # (a forward without grad tells nothing)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            tiny.loss_and_grads(model, inputs)
+            tiny.loss_and_grads(copied, inputs)
+        assert _hooked(model) == [] and _hooked(copied) == []
+    finally:
+        attnstash.uninstall_attention_stash(model)
+        attnstash.uninstall_attention_stash(copied)
+    attnstash.install_attention_stash(model)
+    assert _hooked(model) == unread
+    attnstash.uninstall_attention_stash(model)
+    assert _hooked(model) == []
