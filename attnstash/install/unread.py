@@ -42,7 +42,10 @@ class _Watch:
                 warnings.warn(missed(self.name, self.model, type(block).__name__), StashWarning)
             elif phase != _OUTSIDE_CHECKPOINT:
                 return None  # (not told yet: grad off, or under saved-tensor hooks, a checkpoint's or the user's)
-        self.handle.remove()
+        try:
+            self.handle.remove()
+        except KeyError:  # (another thread's forward of the block removed it first)
+            pass
         return None
 
     def __reduce__(self):  # deepcopy, torch.save: the copy's hook goes at its first call
