@@ -11,7 +11,8 @@ found.py's Found. core.py holds the rules every stashed layer follows (its ancho
 each forward, its frame; torch_ops/frames.h how attention calls reach a frame), state.py what
 they keep for the process and each thread, compiled.py a stashed layer under torch.compile,
 random_state.py the random-number check, attaching.py what makes a layer stashed (and copies
-of it), unread.py what runs checks of the diffusers reading; installer.py installs. Only installer.py and the runtime modules need the compiled ops.
+of it), unread.py what runs checks of the diffusers reading; installer.py installs. Only
+installer.py and the runtime modules need the compiled ops.
 """
 import importlib
 

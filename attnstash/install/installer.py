@@ -91,11 +91,13 @@ def install_attention_stash(model, num_layers=None, *, layers=None, filter_fn=No
 
 
 def _detach(module):
-    """Unstash one layer; where it was its install's last, the install's budget ends with it."""
+    """Unstash one layer; where it was its install's last, the install's watches and budget end
+    with it."""
     ended = attaching.detach(module)
-    if ended is not None:
-        unread.stop(ended.watches)
-    if ended is not None and ended.budget:
+    if ended is None:
+        return
+    unread.stop(ended.watches)
+    if ended.budget:
         ended.budget = False
         budget.pop(ended)
 
