@@ -28,8 +28,7 @@ _ANY = "*"  # a path step: every item of the collection
 
 def find(model):
     """[core.Found] for a diffusers model, or None if it is not one or checkpoints no blocks."""
-    diffusers = sys.modules.get("diffusers")
-    if diffusers is None or not any(isinstance(m, diffusers.ModelMixin) for m in model.modules()):
+    if not _is_diffusers(model):
         return None
     names = {id(m): name for name, m in model.named_modules()}
     blocks = {}
@@ -58,8 +57,7 @@ def listed_blocks(model):
     out are the ones a model runs outside its checkpoints (Lumina2's refiners, UNetMotion's motion
     modules), which the installer watches (install/unread.py). {} for a model that is not a
     diffusers one."""
-    diffusers = sys.modules.get("diffusers")
-    if diffusers is None or not any(isinstance(m, diffusers.ModelMixin) for m in model.modules()):
+    if not _is_diffusers(model):
         return {}
     held = {}
     for owner in model.modules():
@@ -78,6 +76,12 @@ def _items(container):
             yield from _items(item)
         elif isinstance(item, torch.nn.Module):
             yield item
+
+
+def _is_diffusers(model):
+    """Whether a model is (or holds) a diffusers model: one of its modules a ModelMixin."""
+    diffusers = sys.modules.get("diffusers")
+    return diffusers is not None and any(isinstance(m, diffusers.ModelMixin) for m in model.modules())
 
 
 def describe(model):
